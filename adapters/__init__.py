@@ -1,0 +1,1 @@
+"""Translations between upstream (Megatron, MindSpeed, MindSpeed-MM, torch_npu) objects and core objects."""

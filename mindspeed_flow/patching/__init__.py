@@ -1,0 +1,1 @@
+"""The patch registry: declare, apply with wrapt, report and undo monkey patches."""

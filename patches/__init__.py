@@ -1,0 +1,1 @@
+"""Patch declarations, one module per feature."""
