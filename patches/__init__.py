@@ -1,1 +1,47 @@
-"""Patch declarations, one module per feature."""
+"""Patch declarations, one module per feature, each with a module-level ``PATCHES`` list.
+
+Importing a feature module declares its patches and changes nothing; the registry built by
+:func:`build_registry` applies those of enabled features.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Mapping, Sequence
+
+from mindspeed_flow.activation import current_registry, enable_features, install_registry
+from mindspeed_flow.config import FlowConfig
+from mindspeed_flow.patching import Patch, PatchRegistry
+
+# Feature modules, in the order their patches are listed.  A feature whose module is not
+# here has no patches yet: its flag is accepted and the activation log says so.
+FEATURE_MODULES = ("core",)
+
+
+def all_patches() -> list[Patch]:
+    patches: list[Patch] = []
+    for name in FEATURE_MODULES:
+        patches.extend(importlib.import_module(f"{__name__}.{name}").PATCHES)
+    return patches
+
+
+def build_registry() -> PatchRegistry:
+    return PatchRegistry(all_patches())
+
+
+def activate(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> PatchRegistry:
+    """Make the plugin active in this process: build and install the registry (once) and
+    enable the features that ``argv`` (default ``sys.argv[1:]``) and the environment select.
+
+    Nothing upstream is imported here: patches of modules not imported yet wait for them.
+    """
+    registry = current_registry()
+    if registry is None:
+        registry = build_registry()
+        install_registry(registry)
+    config = FlowConfig.from_argv(sys.argv[1:] if argv is None else argv,
+                                  os.environ if environ is None else environ)
+    enable_features(config.features)
+    return registry

@@ -1,1 +1,11 @@
-"""The patch registry: declare, apply with wrapt, report and undo monkey patches."""
+"""The patch registry: declare monkey patches as data, apply them with wrapt, report and undo.
+
+Feature modules in :mod:`mindspeed_flow.patches` declare :class:`Patch` objects;
+:class:`PatchRegistry` applies those of enabled features.
+"""
+
+from .patch import Patch
+from .registry import PatchRegistry
+from .status import PatchConflictError, PatchError, PatchStatus
+
+__all__ = ["Patch", "PatchRegistry", "PatchStatus", "PatchError", "PatchConflictError"]

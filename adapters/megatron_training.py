@@ -1,0 +1,51 @@
+"""Megatron-LM's argument path (``megatron.training.arguments``), which the PyPI wheel lacks.
+
+Megatron parses with unknown flags rejected, so the plugin's flags must be in its parser:
+``parse_args`` is wrapped to chain :func:`mindspeed_flow.config.add_flow_arguments` after
+the caller's ``extra_args_provider`` (MindSpeed-MM passes its own), and ``validate_args``
+is wrapped to resolve the switches once the whole namespace is known, so that a
+contradiction fails at start-up with the flags named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Callable
+
+from mindspeed_flow.config import FlowConfig, add_flow_arguments
+
+log = logging.getLogger(__name__)
+
+Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def with_flow_arguments(provider: Provider | None) -> Provider:
+    """An ``extra_args_provider`` that runs ``provider`` first, then adds our flags."""
+
+    def provider_with_flow(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if provider is not None:
+            parser = provider(parser)
+        return add_flow_arguments(parser)
+
+    return provider_with_flow
+
+
+def parse_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> argparse.Namespace:
+    """``parse_args(extra_args_provider=None, ignore_unknown_args=False)`` with our flags."""
+
+    def bind(extra_args_provider=None, ignore_unknown_args=False):
+        return extra_args_provider, ignore_unknown_args
+
+    provider, ignore_unknown = bind(*args, **kwargs)
+    return wrapped(with_flow_arguments(provider), ignore_unknown)
+
+
+def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``validate_args(args, defaults={})``, then resolve the switches and say what is on."""
+    result = wrapped(*args, **kwargs)
+    namespace = args[0] if args else kwargs["args"]
+    config = FlowConfig.from_namespace(namespace)
+    if getattr(namespace, "rank", 0) == 0:
+        log.info("mindspeed-flow: %s", config.describe())
+    return result

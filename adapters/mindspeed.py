@@ -1,0 +1,59 @@
+"""MindSpeed's feature manager: mindspeed-flow as one ``MindSpeedFeature``.
+
+When MindSpeed is present it owns argument registration (``register_features_args``) and
+patch timing (``register_patches``).  Appending our feature to the list that
+``MindSpeedFeaturesManager.set_features_list`` installs puts our flags into MindSpeed's
+early parser and Megatron's parser, and lets MindSpeed tell us when to apply patches.
+MindSpeed imports ``torch_npu``, so nothing here is imported before MindSpeed is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any, Callable
+
+from mindspeed_flow.config import FlowConfig, add_flow_arguments
+
+FEATURE_NAME = "use-flowtrain"
+
+
+@functools.lru_cache(maxsize=1)
+def flowtrain_feature_class() -> type:
+    """The ``MindSpeedFeature`` subclass, built on first use from the installed MindSpeed."""
+    from mindspeed.features_manager.feature import MindSpeedFeature
+
+    class FlowTrainFeature(MindSpeedFeature):
+        """Registers the mindspeed-flow flags and enables the features they select."""
+
+        def __init__(self) -> None:
+            super().__init__(FEATURE_NAME, optimization_level=0)
+
+        def is_need_apply(self, args: argparse.Namespace) -> bool:
+            return bool(FlowConfig.from_namespace(args).features)
+
+        def register_args(self, parser: argparse.ArgumentParser) -> None:
+            add_flow_arguments(parser)
+
+        def validate_args(self, args: argparse.Namespace) -> None:
+            FlowConfig.from_namespace(args)
+
+        def register_patches(self, patch_manager: Any, args: argparse.Namespace) -> None:
+            from mindspeed_flow.activation import enable_features
+
+            enable_features(FlowConfig.from_namespace(args).features)
+
+    return FlowTrainFeature
+
+
+def set_features_list_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``MindSpeedFeaturesManager.set_features_list(features_list)`` plus our feature, once."""
+
+    def bind(features_list):
+        return features_list
+
+    features = list(bind(*args, **kwargs))
+    feature_class = flowtrain_feature_class()
+    if not any(isinstance(f, feature_class) for f in features):
+        features.append(feature_class())
+    return wrapped(features)

@@ -1,0 +1,138 @@
+"""The plugin's switches: ``--use-flowtrain``, one flag per feature, and the environment.
+
+Every feature has ``--flow-X`` / ``--no-flow-X``.  A feature is on when its flag says so,
+else when ``--use-flowtrain`` is given.  Jobs whose command line cannot change put the same
+flags in ``MINDSPEED_FLOW_FLAGS`` (e.g. ``MINDSPEED_FLOW_FLAGS="--use-flowtrain
+--no-flow-allocator"``); a flag on the command line wins over the environment.
+
+The flags are added to upstream's own parser (Megatron's ``parse_args`` through its
+``extra_args_provider``, MindSpeed's feature manager), so ``add_flow_arguments`` is
+idempotent: whichever path comes second finds them registered and adds nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+ENV_VAR = "MINDSPEED_FLOW_FLAGS"
+MASTER_FLAG = "--use-flowtrain"
+POOL_BACKENDS = ("local", "shm", "torch", "mooncake", "memfabric")
+DEFAULT_POOL_BACKEND = "torch"
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """A switchable feature: its registry name and the flag that turns it on."""
+
+    name: str
+    flag: str
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+FEATURES: tuple[FeatureSpec, ...] = (
+    FeatureSpec("packing", "--flow-packing", "distributed online-packing data loader"),
+    FeatureSpec("schedule", "--flow-schedule", "decoupled encoder/backbone pipeline schedule"),
+    FeatureSpec("pool", "--flow-pool", "unified memory pool between encoder and backbone "
+                "(backend from --flow-pool-backend)"),
+    FeatureSpec("allocator", "--flow-allocator", "heterogeneous parallel-configuration allocator (HiGHS)"),
+    FeatureSpec("fused_attn", "--flow-fused-attn", "fused varlen attention, no dense masks for packed batches"),
+    FeatureSpec("conv_matmul", "--flow-conv-matmul", "ViT patch embedding Conv -> Matmul"),
+)
+FEATURE_NAMES = tuple(f.name for f in FEATURES)
+
+
+def add_flow_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the mindspeed-flow flags to ``parser`` (once); returns it, like Megatron's providers."""
+    if MASTER_FLAG in parser._option_string_actions:
+        return parser
+    group = parser.add_argument_group(title="mindspeed-flow")
+    group.add_argument(MASTER_FLAG, action="store_true", default=None,
+                       help="enable every mindspeed-flow feature (each can be turned off with --no-flow-X)")
+    for spec in FEATURES:
+        group.add_argument(spec.flag, dest=spec.dest, action=argparse.BooleanOptionalAction,
+                           default=None, help=f"{spec.help} (default: on under {MASTER_FLAG})")
+    group.add_argument("--flow-pool-backend", choices=POOL_BACKENDS, default=None,
+                       help=f"memory pool backend; implies --flow-pool (default: {DEFAULT_POOL_BACKEND})")
+    return parser
+
+
+def _flow_parser() -> argparse.ArgumentParser:
+    # Built like Megatron's: no abbreviations, so '--flow-pack' never means '--flow-packing'.
+    return add_flow_arguments(argparse.ArgumentParser(prog="mindspeed-flow flags", allow_abbrev=False))
+
+
+def parse_flow_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """Our flags out of an argument list that may hold any upstream flags too."""
+    namespace, _ = _flow_parser().parse_known_args(list(argv))
+    return namespace
+
+
+def env_flags(environ: Mapping[str, str] | None = None) -> list[str]:
+    environ = os.environ if environ is None else environ
+    return shlex.split(environ.get(ENV_VAR, ""))
+
+
+def flags_requested(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the command line or the environment asks for the plugin at all.
+
+    This is the zero-edit path's test, so it is a plain scan: ``--no-flow-X`` alone turns
+    nothing on and does not count.
+    """
+    def asks(arg: str) -> bool:
+        return arg == MASTER_FLAG or (arg.startswith("--flow-") and not arg.startswith("--no-"))
+    return any(asks(a.split("=")[0]) for a in list(argv) + env_flags(environ))
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    """Resolved switches: which features are on, and the pool backend."""
+
+    features: frozenset[str] = field(default_factory=frozenset)
+    pool_backend: str | None = None
+
+    def enabled(self, feature: str) -> bool:
+        if feature not in FEATURE_NAMES:
+            raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURE_NAMES)}")
+        return feature in self.features
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace,
+                       environ: Mapping[str, str] | None = None) -> "FlowConfig":
+        """Resolve parsed flags (Megatron's ``args`` or ours) over the environment's flags."""
+        env = parse_flow_flags(env_flags(environ))
+
+        def pick(dest: str):
+            value = getattr(namespace, dest, None)
+            return value if value is not None else getattr(env, dest, None)
+
+        master = bool(pick("use_flowtrain"))
+        backend = pick("flow_pool_backend")
+        features = set()
+        for spec in FEATURES:
+            explicit = pick(spec.dest)
+            if spec.name == "pool" and backend is not None:
+                if explicit is False:
+                    raise ValueError(f"--no-flow-pool contradicts --flow-pool-backend {backend}")
+                explicit = True
+            if explicit or (explicit is None and master):
+                features.add(spec.name)
+        if "pool" in features and backend is None:
+            backend = DEFAULT_POOL_BACKEND
+        return cls(frozenset(features), backend if "pool" in features else None)
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> "FlowConfig":
+        return cls.from_namespace(parse_flow_flags(argv), environ)
+
+    def describe(self) -> str:
+        on = [f for f in FEATURE_NAMES if f in self.features]
+        text = ", ".join(on) if on else "no features"
+        return text + (f" (pool backend {self.pool_backend})" if self.pool_backend else "")

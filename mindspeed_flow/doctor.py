@@ -1,0 +1,88 @@
+"""``mindspeed-flow doctor``: is every patch target where the patch expects it?
+
+Against the installed upstream it imports each target module (so the answer is what a job
+would meet); with ``--src DIR`` it reads a source checkout with :mod:`ast` and imports
+nothing, which is how MindSpeed and MindSpeed-MM (not pip-installable, NPU-only imports)
+are checked from a clone.  Given plugin flags it first activates the plugin, so the table
+shows which targets were actually swapped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+from mindspeed_flow.config import add_flow_arguments, flags_requested
+from mindspeed_flow.patching import Patch, PatchStatus
+from mindspeed_flow.patching.check import check_installed, check_source
+from mindspeed_flow.patching.status import APPLIED, SKIPPED, format_table
+
+
+def source_version(root: Path) -> str:
+    """``"source <dir> @ <commit>"``: a checkout has no package metadata to read."""
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"source {root}" + (f" @ {commit}" if commit else "")
+
+
+def check_sources(patches: Sequence[Patch], roots: Sequence[Path]) -> list[PatchStatus]:
+    """Each patch against the first checkout that holds its module."""
+    rows = []
+    for patch in patches:
+        results = [check_source(patch, [root], source_version(root)) for root in roots]
+        rows.append(next((r for r in results if r.status != "not installed"), results[0]))
+    return rows
+
+
+def check_installed_patches(patches: Sequence[Patch]) -> list[PatchStatus]:
+    """Each patch against the installed upstream; the active registry's word wins."""
+    from mindspeed_flow.activation import current_registry
+
+    rows = [check_installed(p) for p in patches]
+    registry = current_registry()
+    if registry is None:
+        return rows
+    live = {(r.feature, r.target): r for r in registry.report() if r.status in (APPLIED, SKIPPED)}
+    return [live.get((r.feature, r.target), r) for r in rows]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="check every patch target against the installed upstream or a source checkout",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--src", action="append", type=Path, default=[], metavar="DIR",
+                        help="upstream source checkout to read instead of importing (repeatable)")
+    parser.add_argument("--feature", action="append", default=[], metavar="NAME",
+                        help="only this feature's patches (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    add_flow_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    from mindspeed_flow.patches import activate, all_patches
+
+    patches = [p for p in all_patches() if not args.feature or p.feature in args.feature]
+    if args.src:
+        missing = [str(d) for d in args.src if not d.is_dir()]
+        if missing:
+            raise SystemExit(f"doctor: --src {', '.join(missing)}: no such directory")
+        rows = check_sources(patches, args.src)
+    else:
+        if flags_requested(argv):
+            activate(argv)
+        rows = check_installed_patches(patches)
+    if args.json:
+        print(json.dumps([asdict(r) | {"failure": r.is_failure} for r in rows], indent=1))
+    else:
+        print(format_table(rows))
+        failures = sum(r.is_failure for r in rows)
+        print(f"\n{len(rows)} patch(es), {failures} required target(s) missing or changed")
+    return 1 if any(r.is_failure for r in rows) else 0

@@ -1,0 +1,58 @@
+"""Run an upstream training script with the plugin active.
+
+    python -m mindspeed_flow.launch pretrain_vlm.py --use-flowtrain ARGS...
+    torchrun --nproc-per-node 8 -m mindspeed_flow.launch pretrain_vlm.py ARGS...
+    python -m mindspeed_flow.launch -m some.module ARGS...
+
+The plugin is activated before the script runs, so every patch waits for its upstream
+module and is in place before upstream parses arguments.  Which features are on follows
+the flags in ARGS and ``MINDSPEED_FLOW_FLAGS``, exactly as on the zero-edit path; with none
+of them, only the flags' registration is active.
+
+This module is also the zero-edit path's entry: the ``mindspeed_flow_autoload.pth`` file
+installed next to the package calls :func:`autoload` when a cheap scan of ``sys.argv`` and
+the environment finds a plugin flag, and imports nothing of the plugin otherwise.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from typing import Sequence
+
+USAGE = "usage: python -m mindspeed_flow.launch (SCRIPT | -m MODULE) [ARGS...]"
+
+
+def autoload() -> None:
+    """Activate the plugin if the command line or environment asks for it (the .pth hook)."""
+    from mindspeed_flow.config import flags_requested
+
+    if flags_requested(sys.argv[1:]):
+        from mindspeed_flow.patches import activate
+
+        activate(sys.argv[1:])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    run_module = argv[0] == "-m"
+    if run_module and len(argv) < 2:
+        raise SystemExit(USAGE)
+    target, script_args = (argv[1], argv[2:]) if run_module else (argv[0], argv[1:])
+
+    from mindspeed_flow.patches import activate
+
+    activate(script_args)
+    sys.argv = [target, *script_args]
+    if run_module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Apply declared patches with wrapt, rebind copied names, report, and undo.
+
+Life of a target (``module:qualname``):
+
+1. ``enable(features)`` marks the features' patches enabled.  A target whose module is
+   already imported is checked and swapped at once; for any other, the source is checked
+   now (found through ``sys.path`` without importing it) and a
+   ``wrapt.register_post_import_hook`` swaps it the moment the module is imported.
+2. Swapping builds one chain per target: the original (or the single ``replacement``), then
+   each wrapper in ascending ``(order, feature)``, innermost first.  Enabling another
+   feature on an applied target rebuilds the chain from the original, so applying is
+   idempotent and never double-wraps.
+3. After a swap, every module in ``sys.modules`` that holds the original under some name
+   (``from x import f``, ``__main__`` included) is pointed at the new object.
+4. ``remove()`` puts back the original object and every rebound name.
+
+A target that is missing or whose parameters changed raises :class:`PatchError` naming the
+target, the expected and found signature and the upstream version, unless the patch is
+optional: then it is skipped and the report says why.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import wrapt
+
+from .check import check_imported, check_source
+from .patch import Patch
+from .resolve import LiveTarget, resolve_live, upstream_version
+from .source import installed_roots
+from .status import (
+    APPLIED,
+    DECLARED,
+    FOUND,
+    NOT_INSTALLED,
+    PENDING,
+    SKIPPED,
+    PatchConflictError,
+    PatchError,
+    PatchStatus,
+)
+
+
+@dataclass
+class _Applied:
+    """What one swapped target needs for undo."""
+
+    live: LiveTarget
+    patched: Any
+    patches: list[Patch]
+    aliases: list[tuple[Any, str]] = field(default_factory=list)
+
+
+class PatchRegistry:
+    """Holds declared patches; applies those of enabled features."""
+
+    def __init__(self, patches: Iterable[Patch]):
+        self._patches: list[Patch] = list(patches)
+        keys = [p.key for p in self._patches]
+        duplicates = sorted({k for k in keys if keys.count(k) > 1})
+        if duplicates:
+            raise PatchConflictError(f"patches declared twice: {', '.join(duplicates)}")
+        self._enabled: set[str] = set()
+        self._applied: dict[str, _Applied] = {}
+        self._skipped: dict[str, PatchStatus] = {}
+        self._hooked_modules: set[str] = set()
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def patches(self) -> list[Patch]:
+        return list(self._patches)
+
+    @property
+    def features(self) -> list[str]:
+        return sorted({p.feature for p in self._patches})
+
+    @property
+    def enabled(self) -> set[str]:
+        return set(self._enabled)
+
+    def _by_target(self) -> dict[str, list[Patch]]:
+        groups: dict[str, list[Patch]] = defaultdict(list)
+        for patch in self._patches:
+            if patch.feature in self._enabled and patch.key not in self._skipped:
+                groups[patch.target].append(patch)
+        return groups
+
+    def report(self) -> list[PatchStatus]:
+        """One status per declared patch: declared, pending, applied or skipped."""
+        rows = []
+        for patch in self._patches:
+            if patch.key in self._skipped:
+                rows.append(self._skipped[patch.key])
+                continue
+            if patch.feature not in self._enabled:
+                status = DECLARED
+            elif patch.target in self._applied:
+                status = APPLIED
+            else:
+                status = PENDING
+            where = ""
+            if status == APPLIED:
+                where = f"{len(self._applied[patch.target].aliases)} alias(es) rebound"
+            elif status == PENDING:
+                where = f"waiting for import of {patch.module}"
+            version = upstream_version(patch.module) if patch.module in sys.modules else ""
+            rows.append(PatchStatus(patch.feature, patch.target, status, where, version, patch.optional))
+        return rows
+
+    # ------------------------------------------------------------------ enable / remove
+    def enable(self, features: Iterable[str]) -> None:
+        """Enable features: apply their patches now or when their modules are imported."""
+        features = set(features)
+        unknown = features - set(self.features)
+        if unknown:
+            raise ValueError(
+                f"unknown feature(s) {sorted(unknown)}; declared features: {self.features}"
+            )
+        with self._lock:
+            self._enabled |= features
+            groups = self._by_target()
+            touched = [t for t, ps in groups.items() if any(p.feature in features for p in ps)]
+            for target in touched:
+                _single_replacement(groups[target])  # a conflict fails now, not at import
+                patch = groups[target][0]
+                if patch.module in sys.modules:
+                    self._apply_target(target)
+                else:
+                    for p in groups[target]:
+                        self._precheck_source(p)
+                    self._hook(patch.module)
+            self._rebind_aliases(touched)
+
+    def remove(self) -> None:
+        """Undo every applied patch and rebound alias; disable every feature."""
+        with self._lock:
+            for target in list(self._applied):
+                self._restore_target(target)
+            self._enabled.clear()
+            self._skipped.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _hook(self, module_name: str) -> None:
+        if module_name in self._hooked_modules:
+            return
+        self._hooked_modules.add(module_name)
+        # wrapt has no unregister: the hook stays and does nothing once features are disabled.
+        wrapt.register_post_import_hook(self._on_import, module_name)
+
+    def _on_import(self, module: Any) -> None:
+        with self._lock:
+            targets = [t for t, ps in self._by_target().items() if ps[0].module == module.__name__]
+            for target in targets:
+                self._apply_target(target)
+            self._rebind_aliases(targets)
+
+    def _precheck_source(self, patch: Patch) -> None:
+        """Before the module is imported, check what its source on ``sys.path`` says."""
+        roots = installed_roots(patch.module.split(".")[0])
+        if not roots:
+            return  # upstream not installed: nothing to check, nothing will be applied
+        result = check_source(patch, roots, upstream_version(patch.module))
+        if result.status != NOT_INSTALLED:  # a package without that module: wait and see
+            self._accept_or_fail(patch, result)
+
+    def _accept_or_fail(self, patch: Patch, result: PatchStatus) -> bool:
+        if result.status == FOUND:
+            return True
+        if patch.optional:
+            self._skipped[patch.key] = PatchStatus(
+                patch.feature, patch.target, SKIPPED, f"{result.status}: {result.detail}",
+                result.version, optional=True,
+            )
+            return False
+        raise PatchError(
+            f"cannot patch {patch.target} for feature {patch.feature!r}: target {result.status} "
+            f"({result.detail}); upstream {result.version or 'unknown'}; "
+            f"patch checked against {', '.join(patch.checked) or 'nothing recorded'}"
+        )
+
+    def _apply_target(self, target: str) -> None:
+        if target in self._applied:
+            self._restore_target(target)
+        patches = [p for p in self._by_target().get(target, []) if self._accept_or_fail(p, check_imported(p))]
+        if not patches:
+            return
+        live = resolve_live(sys.modules[patches[0].module], patches[0].qualname)
+        patched = _compose(live.raw, patches)
+        setattr(live.parent, live.attr, patched)
+        self._applied[target] = _Applied(live, patched, patches)
+
+    def _restore_target(self, target: str) -> None:
+        applied = self._applied.pop(target)
+        live = applied.live
+        if live.own:
+            setattr(live.parent, live.attr, live.raw)
+        else:
+            delattr(live.parent, live.attr)
+        for module, name in applied.aliases:
+            if vars(module).get(name) is applied.patched:
+                setattr(module, name, live.raw)
+
+    def _rebind_aliases(self, targets: Iterable[str]) -> None:
+        """Point names copied with ``from x import f`` at the patched object (one scan)."""
+        swaps = {}
+        for target in targets:
+            applied = self._applied.get(target)
+            if applied is None or not isinstance(applied.live.parent, type(sys)):
+                continue  # class attributes are reached through the class: no aliases
+            if all(p.rebind_aliases for p in applied.patches):
+                swaps[id(applied.live.raw)] = applied
+        if not swaps:
+            return
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                applied = swaps.get(id(value))
+                if applied is None or value is not applied.live.raw:
+                    continue
+                if module is applied.live.parent and name == applied.live.attr:
+                    continue
+                setattr(module, name, applied.patched)
+                applied.aliases.append((module, name))
+
+
+def _single_replacement(patches: list[Patch]) -> Patch | None:
+    """The one replacement among a target's patches; two cannot compose."""
+    replacements = [p for p in patches if p.replacement is not None]
+    if len(replacements) > 1:
+        names = " and ".join(f"{p.feature!r}" for p in replacements)
+        raise PatchConflictError(
+            f"features {names} both replace {patches[0].target}; a target takes one replacement"
+        )
+    return replacements[0] if replacements else None
+
+
+def _compose(original: Any, patches: list[Patch]) -> Any:
+    """The chain for one target: original or replacement, then wrappers, innermost first."""
+    replacement = _single_replacement(patches)
+    obj = replacement.replacement if replacement is not None else original
+    wrappers = sorted((p for p in patches if p.wrapper is not None), key=lambda p: (p.order, p.feature))
+    for patch in wrappers:
+        obj = wrapt.FunctionWrapper(obj, patch.wrapper)
+    return obj

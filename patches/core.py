@@ -1,0 +1,37 @@
+"""Feature ``core``: what makes upstream accept and act on the plugin's flags.
+
+Always enabled when the plugin is active, whatever the feature flags say.
+"""
+
+from mindspeed_flow.adapters import megatron_training, mindspeed
+from mindspeed_flow.patching import Patch
+
+FEATURE = "core"
+
+PATCHES = [
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.arguments:parse_args",
+        wrapper=megatron_training.parse_args_wrapper,
+        params="extra_args_provider, ignore_unknown_args",
+        checked=("Megatron-LM core_r0.12.1",),
+        description="register the --use-flowtrain / --flow-* flags in Megatron's strict parser",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.arguments:validate_args",
+        wrapper=megatron_training.validate_args_wrapper,
+        params="args, defaults",
+        checked=("Megatron-LM core_r0.12.1",),
+        description="resolve the flags once Megatron has validated its own",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed.features_manager.features_manager:MindSpeedFeaturesManager.set_features_list",
+        wrapper=mindspeed.set_features_list_wrapper,
+        params="cls, features_list",
+        checked=("MindSpeed 028de58",),
+        optional=True,
+        description="add mindspeed-flow to MindSpeed's feature list (MindSpeed is optional)",
+    ),
+]
