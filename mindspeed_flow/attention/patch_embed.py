@@ -1,0 +1,198 @@
+"""Conv -> Matmul for ViT patch embeddings.
+
+A convolution whose stride equals its kernel, without padding, dilation or groups, looks
+at disjoint patches: it is one matrix product of the unfolded patches with the kernel
+flattened to ``[out_channels, in_channels * prod(kernel)]``.  MindSpeed-MLLM replaced the
+Conv3d of Qwen2-VL's ``PatchEmbed`` this way because the convolution was slow on their
+hardware; the matmul is also what every accelerator runs fastest.
+
+``PatchEmbedMatmul`` is a drop-in for the convolution (same input and output shapes, same
+numbers), stores the kernel as a linear weight, and loads checkpoints in either layout.
+``conv_to_matmul_state`` / ``matmul_to_conv_state`` convert saved state dicts both ways so
+that checkpoints written by a patched model stay loadable by upstream.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+
+class ConvNotReplaceable(ValueError):
+    """The convolution is not a patch embedding: a matmul would compute something else."""
+
+
+def replaceability_problems(conv: nn.Module) -> list[str]:
+    """Why ``conv`` cannot become a matmul; empty when it can."""
+    if type(conv) not in _CONVS.values():
+        return [f"{type(conv).__name__} is not a torch.nn.Conv1d/Conv2d/Conv3d"]
+    problems = []
+    if tuple(conv.stride) != tuple(conv.kernel_size):
+        problems.append(f"stride {tuple(conv.stride)} differs from kernel_size {tuple(conv.kernel_size)}")
+    if isinstance(conv.padding, str) or any(conv.padding):
+        problems.append(f"padding {conv.padding!r} is not zero")
+    if any(d != 1 for d in conv.dilation):
+        problems.append(f"dilation {tuple(conv.dilation)} is not 1")
+    if conv.groups != 1:
+        problems.append(f"groups={conv.groups} is not 1")
+    return problems
+
+
+class PatchEmbedMatmul(nn.Module):
+    """A stride == kernel convolution computed as ``patches @ weight.T + bias``.
+
+    Attributes:
+        weight: ``[out_channels, in_channels * prod(kernel_size)]``.
+        bias: ``[out_channels]`` or None.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: tuple[int, ...],
+        bias: bool = True,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        if len(kernel_size) not in _CONVS:
+            raise ValueError(f"kernel_size must have 1 to 3 dimensions, got {kernel_size}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.kernel_size = tuple(int(k) for k in kernel_size)
+        features = in_channels * math.prod(self.kernel_size)
+        self.weight = nn.Parameter(torch.empty(out_channels, features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_channels, device=device, dtype=dtype)) if bias else None
+        self._register_load_state_dict_pre_hook(self._accept_conv_layout)
+
+    @property
+    def conv_weight_shape(self) -> tuple[int, ...]:
+        return (self.out_channels, self.in_channels, *self.kernel_size)
+
+    @classmethod
+    def from_conv(cls, conv: nn.Module) -> "PatchEmbedMatmul":
+        """The equivalent module, sharing no storage with ``conv``; refuses what it cannot replace."""
+        problems = replaceability_problems(conv)
+        if problems:
+            raise ConvNotReplaceable(
+                f"cannot replace {conv!r} by a matmul: " + "; ".join(problems)
+            )
+        module = cls(
+            conv.in_channels, conv.out_channels, tuple(conv.kernel_size), bias=conv.bias is not None,
+            device=conv.weight.device, dtype=conv.weight.dtype,
+        )
+        with torch.no_grad():
+            module.weight.copy_(conv.weight.reshape(conv.out_channels, -1))
+            if conv.bias is not None:
+                module.bias.copy_(conv.bias)
+        module.weight.requires_grad_(conv.weight.requires_grad)
+        if conv.bias is not None:
+            module.bias.requires_grad_(conv.bias.requires_grad)
+        module.train(conv.training)
+        return module
+
+    def to_conv(self) -> nn.Module:
+        """The equivalent upstream convolution (for export or comparison)."""
+        conv = _CONVS[len(self.kernel_size)](
+            self.in_channels, self.out_channels, self.kernel_size, stride=self.kernel_size,
+            bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            conv.weight.copy_(self.weight.reshape(self.conv_weight_shape))
+            if self.bias is not None:
+                conv.bias.copy_(self.bias)
+        return conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Same contract as the convolution: ``[B, C, *spatial]`` (or unbatched) in,
+        ``[B, E, *spatial // kernel]`` out; trailing pixels that fill no patch are dropped,
+        as the convolution drops them."""
+        n = len(self.kernel_size)
+        unbatched = x.dim() == n + 1
+        if unbatched:
+            x = x.unsqueeze(0)
+        if x.dim() != n + 2 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"expected [batch, {self.in_channels}, {n} spatial dims], got {tuple(x.shape)}"
+            )
+        grid = [s // k for s, k in zip(x.shape[2:], self.kernel_size)]
+        batch = x.shape[0]
+        if all(g == 1 for g in grid):
+            # One patch per sample (Qwen2-VL feeds patches already unfolded): a plain view.
+            patches = x[(..., *(slice(0, k) for k in self.kernel_size))].reshape(batch, -1)
+            out = F.linear(patches, self.weight, self.bias).view(batch, self.out_channels, *grid)
+        else:
+            x = x[(..., *(slice(0, g * k) for g, k in zip(grid, self.kernel_size)))]
+            split = [batch, self.in_channels]
+            for g, k in zip(grid, self.kernel_size):
+                split += [g, k]
+            x = x.reshape(split)
+            grid_axes = [2 + 2 * i for i in range(n)]
+            kernel_axes = [3 + 2 * i for i in range(n)]
+            patches = x.permute(0, *grid_axes, 1, *kernel_axes).reshape(batch * math.prod(grid), -1)
+            out = F.linear(patches, self.weight, self.bias).view(batch, *grid, self.out_channels)
+            out = out.permute(0, n + 1, *range(1, n + 1)).contiguous()
+        return out.squeeze(0) if unbatched else out
+
+    def _accept_conv_layout(self, state_dict, prefix, *args) -> None:
+        """Let an upstream (conv-layout) checkpoint load into the patched model."""
+        key = prefix + "weight"
+        weight = state_dict.get(key)
+        if weight is not None and tuple(weight.shape) == self.conv_weight_shape:
+            state_dict[key] = weight.reshape(self.out_channels, -1)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"bias={self.bias is not None}")
+
+
+def conv_to_matmul_state(state: Mapping[str, torch.Tensor], keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` whose conv weights at ``keys`` are flattened to ``[E, C*prod(k)]``."""
+    out = dict(state)
+    for key in keys:
+        weight = _weight(state, key)
+        if weight.dim() < 3:
+            raise ValueError(f"{key}: shape {tuple(weight.shape)} is not a conv weight (already matmul layout?)")
+        out[key] = weight.reshape(weight.shape[0], -1).clone()
+    return out
+
+
+def matmul_to_conv_state(
+    state: Mapping[str, torch.Tensor], keys: Iterable[str], in_and_kernel: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` whose matmul weights at ``keys`` get the conv shape ``[E, C, *kernel]``.
+
+    ``in_and_kernel`` is ``(C, *kernel)``, e.g. ``(3, 2, 14, 14)`` for Qwen2-VL: the flat
+    weight alone does not say how its columns split.
+    """
+    out = dict(state)
+    for key in keys:
+        weight = _weight(state, key)
+        if weight.dim() != 2:
+            raise ValueError(f"{key}: shape {tuple(weight.shape)} is not a matmul weight (already conv layout?)")
+        if weight.shape[1] != math.prod(in_and_kernel):
+            raise ValueError(
+                f"{key}: {weight.shape[1]} columns cannot split into in_channels x kernel {tuple(in_and_kernel)}"
+            )
+        out[key] = weight.reshape(weight.shape[0], *in_and_kernel).clone()
+    return out
+
+
+def _weight(state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in state:
+        raise KeyError(f"{key} is not in the state dict")
+    return state[key]
+
+
+def replace_conv(parent: nn.Module, attribute: str) -> PatchEmbedMatmul:
+    """Swap ``parent.<attribute>`` (a patch-embedding conv) for its matmul equivalent."""
+    replacement = PatchEmbedMatmul.from_conv(getattr(parent, attribute))
+    setattr(parent, attribute, replacement)
+    return replacement

@@ -1,0 +1,34 @@
+"""Feature ``conv_matmul`` (``--flow-conv-matmul``): ViT patch embeddings as a matmul.
+
+The stride == kernel convolutions of Qwen2-VL's ``PatchEmbed`` (Conv3d) and CLIP's
+``conv1`` (Conv2d) are replaced right after construction by
+:class:`~mindspeed_flow.attention.patch_embed.PatchEmbedMatmul`, which loads upstream
+checkpoints as they are; ``mindspeed-flow convert-patch-embed`` turns checkpoints saved
+by a patched model back into the upstream layout.
+"""
+
+from mindspeed_flow.adapters import mindspeed_mm
+from mindspeed_flow.patching import Patch
+
+FEATURE = "conv_matmul"
+MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
+
+PATCHES = [
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model:PatchEmbed.__init__",
+        wrapper=mindspeed_mm.swap_conv_after_init("proj"),
+        params="self, patch_size, temporal_patch_size, in_channels, embed_dim, bias",
+        checked=MINDSPEED_MM,
+        description="Qwen2-VL / Qwen2.5-VL / Qwen3-VL PatchEmbed.proj Conv3d -> matmul",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vision.vision_encoders.clip_vit_model:CLIPViT.__init__",
+        wrapper=mindspeed_mm.swap_conv_after_init("conv1"),
+        params="self, config, transformer_layer_spec, pre_process, post_process",
+        checked=MINDSPEED_MM,
+        optional=True,
+        description="CLIP ViT conv1 Conv2d -> matmul",
+    ),
+]

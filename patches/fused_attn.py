@@ -1,0 +1,77 @@
+"""Feature ``fused_attn`` (``--flow-fused-attn``): packed batches never build a dense mask.
+
+Megatron's ``DotProductAttention`` serves ``packed_seq_params`` through varlen attention
+(NPU kernel, flash-attn or SDPA per segment); MindSpeed-MM's VLM passes the loader's
+segments down to the text decoder instead of building a ``[B, 1, S, S]`` mask, and its
+Qwen2-VL ViT takes its ``cu_seqlens`` (varlen) path instead of a ``[1, S, S]`` block mask.
+"""
+
+from mindspeed_flow.adapters import megatron_core_attention, mindspeed_mm
+from mindspeed_flow.patching import Patch
+
+FEATURE = "fused_attn"
+MEGATRON = ("megatron-core 0.12.3", "Megatron-LM core_v0.12.1 (source)", "megatron-core 0.16.1 (source)")
+MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
+VIT = "mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model"
+VIT_BLOCK = "mindspeed_mm.models.vision.vision_encoders.vision_transformer_block"
+
+PATCHES = [
+    Patch(
+        feature=FEATURE,
+        target="megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+        wrapper=megatron_core_attention.dot_product_attention_forward,
+        params="self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params",
+        checked=MEGATRON,
+        description="varlen attention when packed_seq_params is given (THD), upstream path otherwise",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vlm_model:VLMModel.forward",
+        wrapper=mindspeed_mm.vlm_forward,
+        params="self, input_ids, pixel_values, image_grid_thw, attention_mask, labels, inference_params, "
+               "decoder_input, position_ids, packed_seq_params",
+        checked=MINDSPEED_MM,
+        description="turn the loader's cu_seqlens into packed_seq_params and keep them for the decoder",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.common.mm_gpt_model:MMGPTModel.forward",
+        wrapper=mindspeed_mm.mm_gpt_forward,
+        params="self, input_ids, position_ids, attention_mask, decoder_input, labels, inference_params, "
+               "packed_seq_params",
+        checked=MINDSPEED_MM,
+        description="receive the packed_seq_params VLMModel.forward does not pass on",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vision.vlm_attentionmask_for_llm:prepare_positionsids_mask_for_llm",
+        wrapper=mindspeed_mm.prepare_mask_for_llm,
+        params="config, input_ids, inference_params, attention_mask, position_ids",
+        checked=MINDSPEED_MM,
+        description="no dense [B,1,S,S] LLM mask for a packed batch",
+    ),
+    Patch(
+        feature=FEATURE,
+        target=f"{VIT}:apply_multimodal_rotary_pos_emb",
+        wrapper=mindspeed_mm.mrope_on_packed,
+        params="q, k, cos, sin, use_fused_rope",
+        checked=MINDSPEED_MM,
+        description="M-RoPE on packed (squeezed THD) LLM queries",
+    ),
+    Patch(
+        feature=FEATURE,
+        target=f"{VIT}:get_args",
+        wrapper=mindspeed_mm.vit_get_args,
+        checked=MINDSPEED_MM,
+        rebind_aliases=False,
+        description="Qwen2VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense block mask",
+    ),
+    Patch(
+        feature=FEATURE,
+        target=f"{VIT_BLOCK}:get_args",
+        wrapper=mindspeed_mm.vit_get_args,
+        checked=MINDSPEED_MM,
+        rebind_aliases=False,
+        description="the ViT blocks pass cu_seqlens / cu_window_seqlens as PackedSeqParams",
+    ),
+]
