@@ -12,7 +12,8 @@ Life of a target (``module:qualname``):
    idempotent and never double-wraps.
 3. After a swap, every module in ``sys.modules`` that holds the original under some name
    (``from x import f``, ``__main__`` included) is pointed at the new object.
-4. ``remove()`` puts back the original object and every rebound name.
+4. ``remove()`` puts back the original object, and every module-level name bound to the
+   patched object (rebound aliases, and copies taken after the swap) points at it again.
 
 A target that is missing or whose parameters changed raises :class:`PatchError` naming the
 target, the expected and found signature and the upstream version, unless the patch is
@@ -24,6 +25,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import defaultdict
+from types import ModuleType
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -202,33 +204,49 @@ class PatchRegistry:
             setattr(live.parent, live.attr, live.raw)
         else:
             delattr(live.parent, live.attr)
-        for module, name in applied.aliases:
-            if vars(module).get(name) is applied.patched:
-                setattr(module, name, live.raw)
+        if isinstance(live.parent, ModuleType):
+            # Aliases we rebound, and copies made after the swap (a package re-export that
+            # imported the patched name), all go back to the original.
+            _swap_module_references({id(applied.patched): (applied.patched, live.raw)}, skip=())
 
     def _rebind_aliases(self, targets: Iterable[str]) -> None:
         """Point names copied with ``from x import f`` at the patched object (one scan)."""
         swaps = {}
+        owners = []
         for target in targets:
             applied = self._applied.get(target)
-            if applied is None or not isinstance(applied.live.parent, type(sys)):
+            if applied is None or not isinstance(applied.live.parent, ModuleType):
                 continue  # class attributes are reached through the class: no aliases
             if all(p.rebind_aliases for p in applied.patches):
-                swaps[id(applied.live.raw)] = applied
+                swaps[id(applied.live.raw)] = (applied.live.raw, applied.patched)
+                owners.append((applied.live.parent, applied.live.attr))
         if not swaps:
             return
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
+        rebound = _swap_module_references(swaps, skip=owners)
+        for target in targets:
+            applied = self._applied.get(target)
+            if applied is not None:
+                applied.aliases += [(m, n) for m, n, new in rebound if new is applied.patched]
+
+
+def _swap_module_references(swaps: dict[int, tuple[Any, Any]], skip) -> list[tuple[ModuleType, str, Any]]:
+    """In every loaded module, replace each name bound to an ``old`` object by its ``new`` one.
+
+    ``swaps`` maps ``id(old)`` to ``(old, new)``; ``skip`` lists ``(module, name)`` pairs to
+    leave alone.  Returns ``(module, name, new)`` for each name changed.
+    """
+    changed = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            pair = swaps.get(id(value))
+            if pair is None or value is not pair[0] or (module, name) in skip:
                 continue
-            for name, value in list(namespace.items()):
-                applied = swaps.get(id(value))
-                if applied is None or value is not applied.live.raw:
-                    continue
-                if module is applied.live.parent and name == applied.live.attr:
-                    continue
-                setattr(module, name, applied.patched)
-                applied.aliases.append((module, name))
+            setattr(module, name, pair[1])
+            changed.append((module, name, pair[1]))
+    return changed
 
 
 def _single_replacement(patches: list[Patch]) -> Patch | None:

@@ -43,11 +43,13 @@ def module_file(module_name: str, roots: list[Path]) -> Path | None:
 
 
 def installed_roots(top_package: str) -> list[Path]:
-    """Folders that hold ``top_package`` on ``sys.path``, found without importing it."""
+    """Folders that hold the top-level package or module on ``sys.path``, found without importing it."""
     spec = importlib.machinery.PathFinder.find_spec(top_package)
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         return []
-    return [Path(location).parent for location in spec.submodule_search_locations]
+    if spec.submodule_search_locations:  # a package, or a namespace spread over folders
+        return [Path(location).parent for location in spec.submodule_search_locations]
+    return [Path(spec.origin).parent] if spec.origin else []  # a single-file module
 
 
 def _args_params(args: ast.arguments) -> list[tuple[str, str]]:
