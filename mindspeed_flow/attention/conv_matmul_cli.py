@@ -1,0 +1,128 @@
+"""``mindspeed-flow convert-patch-embed``: patch-embedding weights of a saved checkpoint,
+conv layout <-> matmul layout.
+
+A model trained with ``--flow-conv-matmul`` saves its patch embedding as a linear weight
+``[E, C*prod(kernel)]``; upstream MindSpeed-MM expects the conv weight ``[E, C, *kernel]``.
+The patched model loads either layout, so only the way back needs this tool; ``--to
+matmul`` exists for checkpoints consumed by other matmul-layout code.
+
+Handles ``torch.save`` files (Megatron's ``--ckpt-format torch``: ``model``, ``model0``,
+... dicts, or a bare state dict), walking nested dicts.  Optimizer state is left as it is:
+the distributed optimizer's flat buffers do not depend on the layout (same numel, same
+element order); a non-distributed optimizer state must be dropped (``--no-load-optim``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .patch_embed import conv_to_matmul_state, matmul_to_conv_state
+
+# Weight names of the patch embeddings the conv_matmul feature replaces.
+DEFAULT_SUFFIXES = ("patch_embed.proj.weight", "conv1.weight")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``convert-patch-embed`` subcommand to an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "convert-patch-embed",
+        help="convert patch-embedding weights of a checkpoint between conv and matmul layouts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("input", type=Path, help="checkpoint file written by torch.save")
+    parser.add_argument("output", type=Path, help="where to write the converted checkpoint")
+    parser.add_argument("--to", choices=("conv", "matmul"), required=True, help="target layout")
+    parser.add_argument(
+        "--key", action="append", default=None,
+        help=f"state-dict key of a weight to convert (repeatable); default: keys ending in "
+             f"{' or '.join(DEFAULT_SUFFIXES)}",
+    )
+    parser.add_argument(
+        "--in-and-kernel", type=_shape, default=None, metavar="C,K1[,K2[,K3]]",
+        help="input channels and kernel of the conv, e.g. 3,2,14,14 for Qwen2-VL "
+             "(required with --to conv: a flat weight does not say how to split)",
+    )
+    parser.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="unpickle arbitrary objects (Megatron checkpoints hold argparse Namespaces); "
+             "only for checkpoints you trust",
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    parser.set_defaults(func=convert_command)
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if len(dims) < 2 or any(d <= 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"expected C and 1 to 3 kernel sizes, all positive, got {text!r}")
+    return dims
+
+
+def convert_command(args: argparse.Namespace) -> int:
+    """Run the conversion; returns the process exit code (messages go to stdout/stderr)."""
+    if args.to == "conv" and args.in_and_kernel is None:
+        print("convert-patch-embed: --to conv needs --in-and-kernel (e.g. 3,2,14,14)")
+        return 2
+    if args.output.exists() and not args.force:
+        print(f"convert-patch-embed: {args.output} exists; pass --force to overwrite")
+        return 2
+    try:
+        checkpoint = torch.load(args.input, map_location="cpu", weights_only=not args.trust_checkpoint)
+    except pickle.UnpicklingError as err:
+        print(f"convert-patch-embed: {args.input} holds objects beyond tensors ({err}); "
+              "rerun with --trust-checkpoint if you trust it")
+        return 2
+    converted: list[str] = []
+    for state in _state_dicts(checkpoint):
+        keys = [k for k in state if _selected(k, args.key) and _needs(state[k], args.to)]
+        if not keys:
+            continue
+        if args.to == "matmul":
+            new = conv_to_matmul_state(state, keys)
+        else:
+            new = matmul_to_conv_state(state, keys, args.in_and_kernel)
+        for key in keys:
+            state[key] = new[key]
+            converted.append(f"{key}: {tuple(new[key].shape)}")
+    if not converted:
+        print(f"convert-patch-embed: no patch-embedding weight to convert to {args.to} layout in "
+              f"{args.input} (already converted, or pass --key)")
+        return 1
+    torch.save(checkpoint, args.output)
+    print(f"converted {len(converted)} weight(s) to {args.to} layout -> {args.output}")
+    for line in converted:
+        print(f"  {line}")
+    return 0
+
+
+def _selected(key: Any, keys: list[str] | None) -> bool:
+    if not isinstance(key, str):  # optimizer states are keyed by parameter index
+        return False
+    return key in keys if keys else key.endswith(DEFAULT_SUFFIXES)
+
+
+def _needs(value: Any, to: str) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return False
+    return value.dim() >= 3 if to == "matmul" else value.dim() == 2
+
+
+def _state_dicts(obj: Any) -> Iterator[dict]:
+    """Every dict inside ``obj`` that holds tensors directly (a state dict or part of one)."""
+    if isinstance(obj, dict):
+        if any(isinstance(v, torch.Tensor) for v in obj.values()):
+            yield obj
+        for value in obj.values():
+            yield from _state_dicts(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _state_dicts(value)
