@@ -54,6 +54,6 @@ def enable_features(features: Iterable[str]) -> set[str]:
     for name in sorted(wanted - declared - _reported_unpatched):
         _reported_unpatched.add(name)
         log.warning("mindspeed-flow: feature %r has no patches in this version; flag accepted, nothing swapped", name)
-    enabled = {CORE_FEATURE} | (wanted & declared)
+    enabled = ({CORE_FEATURE} | wanted) & declared
     _registry.enable(enabled)
     return enabled

@@ -1,0 +1,79 @@
+"""Switching the plugin on: the zero-edit ``.pth`` hook and ``python -m mindspeed_flow.launch``.
+
+Each case runs a fresh interpreter, since the hook acts at interpreter start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from subprocess_utils import last_json, run_python
+
+PROBE = '''
+import json, sys
+from importlib import import_module
+loaded = sorted(m for m in sys.modules if m.startswith("mindspeed_flow"))
+active = None
+if "mindspeed_flow.activation" in sys.modules:
+    registry = import_module("mindspeed_flow.activation").current_registry()
+    active = sorted(registry.enabled) if registry else None
+print(json.dumps({"loaded": loaded, "enabled": active}))
+'''
+
+
+def probe(args=(), env=None):
+    return last_json(run_python(PROBE, args, env=env))
+
+
+def test_the_activation_hook_is_installed_next_to_the_package():
+    site = Path(sysconfig.get_paths()["purelib"])
+    line = (site / "mindspeed_flow_autoload.pth").read_text()
+    assert line.startswith("import ") and "mindspeed_flow.launch" in line
+
+
+def test_without_flags_nothing_of_the_plugin_is_imported():
+    assert probe(["--num-layers", "2"]) == {"loaded": [], "enabled": None}
+    assert probe(["--no-flow-packing"]) == {"loaded": [], "enabled": None}
+
+
+def test_flag_on_an_unchanged_command_line_activates():
+    out = probe(["--num-layers", "2", "--use-flowtrain", "--no-flow-pool"])
+    assert out["enabled"] == ["core"]  # only core has patches in this version; others are logged
+    assert "mindspeed_flow.patches.core" in out["loaded"]
+
+
+def test_environment_variable_activates_like_the_flag():
+    run = run_python(PROBE, env={"MINDSPEED_FLOW_FLAGS": "--flow-packing"})
+    assert last_json(run)["enabled"] == ["core"]
+    assert "feature 'packing' has no patches in this version" in run.stderr
+
+
+def test_launcher_runs_a_script_as_main_with_the_plugin_active(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(PROBE.replace('print(json.dumps({', 'print(json.dumps({"argv": sys.argv, "name": __name__, '))
+    proc = run_python("from mindspeed_flow.launch import main; main()", [str(script), "--lr", "0.1"])
+    out = last_json(proc)
+    assert out["argv"] == [str(script), "--lr", "0.1"]
+    assert out["name"] == "__main__"
+    assert out["enabled"] == ["core"]
+
+
+def test_launcher_runs_a_module_and_explains_its_usage(tmp_path):
+    (tmp_path / "trainer_mod.py").write_text(PROBE)
+    out = last_json(run_python("from mindspeed_flow.launch import main; main()",
+                               ["-m", "trainer_mod", "--flow-fused-attn"], env={"PYTHONPATH": str(tmp_path)}))
+    assert out["enabled"] == ["core"]
+    bare = run_python("import runpy; runpy.run_module('mindspeed_flow.launch', run_name='__main__')")
+    assert bare.returncode == 2 and "usage: python -m mindspeed_flow.launch" in bare.stdout
+
+
+def test_python_dash_m_launch_with_the_flag_also_seen_by_the_hook(tmp_path):
+    """Both the .pth hook and the launcher activate here: activation must be idempotent."""
+    script = tmp_path / "train.py"
+    script.write_text(PROBE)
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", str(script), "--use-flowtrain"],
+                          capture_output=True, text=True, timeout=120)
+    assert last_json(proc)["enabled"] == ["core"]
+    assert proc.stderr.count("feature 'packing' has no patches") == 1
