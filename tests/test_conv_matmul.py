@@ -1,0 +1,208 @@
+"""PatchEmbedMatmul equals the convolution it replaces; state dicts convert both ways; the
+conversion CLI; the ``conv_matmul`` wrapper on a stand-in of MindSpeed-MM's PatchEmbed.
+
+On tolerances: for Qwen2-VL's patch embedding (1176-long dot products) an fp32 Conv3d
+itself is about 4e-6 away from the exact (fp64) result while the matmul is about 1.5e-6
+away, so "equal to the fp32 conv within 1e-6" is below fp32 summation noise whatever the
+order.  The tests hold the matmul to 1e-6 relative to the exact convolution (forward and
+backward) and to the fp32 conv within fp32 noise (1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mindspeed_flow.adapters.mindspeed_mm import swap_conv_after_init
+from mindspeed_flow.attention import conv_matmul_cli
+from mindspeed_flow.attention.patch_embed import (
+    ConvNotReplaceable,
+    PatchEmbedMatmul,
+    conv_to_matmul_state,
+    matmul_to_conv_state,
+)
+
+QWEN2VL = dict(in_channels=3, out_channels=1280, kernel_size=(2, 14, 14))
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def exact_conv(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    fn = F.conv3d if isinstance(conv, nn.Conv3d) else F.conv2d
+    bias = None if conv.bias is None else conv.bias.double()
+    return fn(x.double(), conv.weight.double(), bias, stride=conv.stride)
+
+
+@pytest.mark.parametrize(
+    "conv, shape",
+    [
+        (nn.Conv3d(3, 1280, (2, 14, 14), stride=(2, 14, 14), bias=False), (24, 3, 2, 14, 14)),  # Qwen2-VL
+        (nn.Conv3d(3, 1280, (2, 14, 14), stride=(2, 14, 14), bias=True), (24, 3, 2, 14, 14)),   # Qwen3-VL, GLM
+        (nn.Conv2d(3, 1024, 14, stride=14, bias=False), (2, 3, 224, 224)),                      # CLIP ViT-L/14
+        (nn.Conv3d(3, 32, (2, 14, 14), stride=(2, 14, 14)), (2, 3, 5, 30, 43)),                 # ragged edges
+    ],
+)
+def test_forward_and_backward_equal_the_conv(conv, shape):
+    torch.manual_seed(0)
+    conv = conv.float()
+    matmul = PatchEmbedMatmul.from_conv(conv)
+    x = torch.randn(shape)
+    x_conv, x_mm = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_conv, y_mm = conv(x_conv), matmul(x_mm)
+    assert y_mm.shape == y_conv.shape and y_mm.is_contiguous()
+    assert max_rel(y_mm, exact_conv(conv, x)) < 1e-6
+    torch.testing.assert_close(y_mm, y_conv, atol=1e-5, rtol=0)
+
+    grad = torch.randn_like(y_conv)
+    y_conv.backward(grad)
+    y_mm.backward(grad)
+    x64 = x.double().requires_grad_(True)
+    w64 = conv.weight.detach().double().requires_grad_(True)
+    fn = F.conv3d if isinstance(conv, nn.Conv3d) else F.conv2d
+    fn(x64, w64, None, stride=conv.stride).backward(grad.double())
+    assert max_rel(x_mm.grad, x64.grad) < 1e-6
+    assert max_rel(matmul.weight.grad, w64.grad.reshape(w64.shape[0], -1)) < 1e-6
+    torch.testing.assert_close(matmul.weight.grad, conv.weight.grad.reshape(conv.out_channels, -1),
+                               atol=1e-4, rtol=1e-5)
+    if conv.bias is not None:
+        torch.testing.assert_close(matmul.bias.grad, conv.bias.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_unbatched_input_and_round_trip_to_conv():
+    conv = nn.Conv2d(3, 8, 4, stride=4)
+    matmul = PatchEmbedMatmul.from_conv(conv)
+    x = torch.randn(3, 16, 12)
+    torch.testing.assert_close(matmul(x), conv(x), atol=1e-6, rtol=0)
+    back = matmul.to_conv()
+    assert type(back) is nn.Conv2d and back.stride == (4, 4)
+    assert torch.equal(back.weight, conv.weight) and torch.equal(back.bias, conv.bias)
+
+
+@pytest.mark.parametrize(
+    "conv, reason",
+    [
+        (nn.Conv2d(3, 8, 3, stride=1), "stride"),
+        (nn.Conv2d(3, 8, 2, stride=2, padding=1), "padding"),
+        (nn.Conv2d(3, 8, 2, stride=2, padding="valid"), "padding"),
+        (nn.Conv2d(4, 8, 2, stride=2, groups=2), "groups"),
+        (nn.Conv2d(3, 8, 2, stride=2, dilation=2), "dilation"),
+        (nn.ConvTranspose2d(3, 8, 2, stride=2), "ConvTranspose2d"),
+        (nn.Linear(3, 8), "Linear"),
+    ],
+)
+def test_refuses_what_it_cannot_replace(conv, reason):
+    with pytest.raises(ConvNotReplaceable, match=reason):
+        PatchEmbedMatmul.from_conv(conv)
+
+
+def test_state_dict_conversion_is_exact_both_ways():
+    conv = nn.Conv3d(**{**QWEN2VL, "out_channels": 16}, stride=(2, 14, 14), bias=True)
+    upstream = {f"encoder.patch_embed.proj.{k}": v for k, v in conv.state_dict().items()}
+    key = "encoder.patch_embed.proj.weight"
+    flat = conv_to_matmul_state(upstream, [key])
+    assert flat[key].shape == (16, 3 * 2 * 14 * 14)
+    back = matmul_to_conv_state(flat, [key], (3, 2, 14, 14))
+    assert back.keys() == upstream.keys()
+    assert all(torch.equal(back[k], upstream[k]) for k in upstream)
+    with pytest.raises(ValueError, match="already matmul"):
+        conv_to_matmul_state(flat, [key])
+    with pytest.raises(ValueError, match="cannot split"):
+        matmul_to_conv_state(flat, [key], (3, 14, 14))
+
+
+def test_patched_module_loads_upstream_and_own_checkpoints():
+    conv = nn.Conv3d(3, 16, (2, 14, 14), stride=(2, 14, 14), bias=False)
+    module = PatchEmbedMatmul(3, 16, (2, 14, 14), bias=False)
+    module.load_state_dict(conv.state_dict())  # conv layout
+    assert torch.equal(module.weight, conv.weight.reshape(16, -1))
+    again = PatchEmbedMatmul(3, 16, (2, 14, 14), bias=False)
+    again.load_state_dict(module.state_dict())  # matmul layout
+    assert torch.equal(again.weight, module.weight)
+
+
+class StandInPatchEmbed(nn.Module):
+    """Stand-in for MindSpeed-MM's ``qwen2vl_vit_model.PatchEmbed`` (not installable here):
+    same constructor contract, ``self.proj`` a Conv3d with stride == kernel, same forward."""
+
+    def __init__(self, patch_size=14, temporal_patch_size=2, in_channels=3, embed_dim=32, bias=False):
+        super().__init__()
+        self.patch_size, self.temporal_patch_size = patch_size, temporal_patch_size
+        self.in_channels, self.embed_dim = in_channels, embed_dim
+        kernel = [temporal_patch_size, patch_size, patch_size]
+        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=kernel, stride=kernel, bias=bias)
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.view(-1, self.in_channels, self.temporal_patch_size,
+                                           self.patch_size, self.patch_size)
+        return self.proj(hidden_states.to(self.proj.weight.dtype)).view(-1, self.embed_dim)
+
+
+def test_init_wrapper_swaps_the_conv_of_a_stand_in_patch_embed():
+    import wrapt
+
+    torch.manual_seed(0)
+    reference = StandInPatchEmbed()
+    patched_cls = type("PatchedStandIn", (StandInPatchEmbed,), {})
+    patched_cls.__init__ = wrapt.FunctionWrapper(StandInPatchEmbed.__init__, swap_conv_after_init("proj"))
+    patched = patched_cls()
+    assert isinstance(patched.proj, PatchEmbedMatmul)
+    patched.load_state_dict(reference.state_dict())  # an upstream checkpoint loads as it is
+    pixels = torch.randn(10, 3 * 2 * 14 * 14)  # Qwen2-VL pixel_values rows
+    torch.testing.assert_close(patched(pixels), reference(pixels), atol=1e-5, rtol=0)
+
+
+# --- the conversion CLI, through a small argparse parser
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="mindspeed-flow")
+    conv_matmul_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return args.func(args)
+
+
+def megatron_like_checkpoint() -> dict:
+    torch.manual_seed(1)
+    conv = nn.Conv3d(3, 16, (2, 14, 14), stride=(2, 14, 14), bias=False)
+    model = {"image_encoder.encoder.patch_embed.proj.weight": conv.weight.detach().clone(),
+             "text_decoder.embedding.word_embeddings.weight": torch.randn(8, 4)}
+    return {"iteration": 7, "model": model, "optimizer": {"state": {0: {"exp_avg": torch.zeros(2)}}}}
+
+
+def test_cli_round_trip_restores_the_upstream_checkpoint(tmp_path, capsys):
+    original = megatron_like_checkpoint()
+    src, flat, back = tmp_path / "upstream.pt", tmp_path / "matmul.pt", tmp_path / "back.pt"
+    torch.save(original, src)
+    assert run_cli("convert-patch-embed", str(src), str(flat), "--to", "matmul") == 0
+    key = "image_encoder.encoder.patch_embed.proj.weight"
+    assert torch.load(flat)["model"][key].shape == (16, 1176)
+    assert run_cli("convert-patch-embed", str(flat), str(back), "--to", "conv", "--in-and-kernel", "3,2,14,14") == 0
+    restored = torch.load(back)
+    assert restored["iteration"] == 7
+    for k, v in original["model"].items():
+        assert torch.equal(restored["model"][k], v)
+    assert "converted 1 weight(s) to conv layout" in capsys.readouterr().out
+
+
+def test_cli_refusals(tmp_path, capsys):
+    src = tmp_path / "ckpt.pt"
+    torch.save(megatron_like_checkpoint(), src)
+    assert run_cli("convert-patch-embed", str(src), str(tmp_path / "o.pt"), "--to", "conv") == 2
+    assert "--in-and-kernel" in capsys.readouterr().out
+    assert run_cli("convert-patch-embed", str(src), str(src), "--to", "matmul") == 2
+    assert "--force" in capsys.readouterr().out
+    # already in conv layout: nothing to convert to conv
+    assert run_cli("convert-patch-embed", str(src), str(tmp_path / "o.pt"), "--to", "conv",
+                   "--in-and-kernel", "3,2,14,14") == 1
+    assert "no patch-embedding weight" in capsys.readouterr().out
+    torch.save({"model": {}, "args": argparse.Namespace(x=1)}, tmp_path / "pickled.pt")
+    assert run_cli("convert-patch-embed", str(tmp_path / "pickled.pt"), str(tmp_path / "o.pt"),
+                   "--to", "matmul") == 2
+    assert "--trust-checkpoint" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run_cli("convert-patch-embed", str(src), str(tmp_path / "o.pt"), "--to", "conv", "--in-and-kernel", "3,x")
