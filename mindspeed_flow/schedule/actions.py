@@ -1,0 +1,79 @@
+"""Typed actions: a schedule is data.
+
+A per-rank program is a plain list of :class:`Action` values that one runtime executes,
+that prints one readable line per action, and that the validator and the simulator read
+without running a model (the same idea as ``torch.distributed.pipelining``'s ``_Action``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence
+
+
+class Kind(str, Enum):
+    """What an action does; the value is the short name printed in programs."""
+
+    FORWARD = "F"
+    BACKWARD = "B"  # input and weight gradients: a trainable region
+    BACKWARD_INPUT = "I"  # input gradients only: a frozen region on the gradient path
+    SEND_ACT = "SEND_A"
+    RECV_ACT = "RECV_A"
+    SEND_GRAD = "SEND_G"
+    RECV_GRAD = "RECV_G"
+    POOL_PUT = "PUT"
+    POOL_GET = "GET"
+    PARAM_BROADCAST = "BCAST"
+    GRAD_REDUCE = "REDUCE"
+
+
+COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT})
+BACKWARDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT})
+SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD, Kind.POOL_PUT})
+RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD, Kind.POOL_GET})
+COLLECTIVES = frozenset({Kind.PARAM_BROADCAST, Kind.GRAD_REDUCE})
+# The receive that completes each point-to-point send.
+MATCHING_RECV = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program.
+
+    Attributes:
+        kind: what the step does.
+        region: the region it belongs to.
+        stage: the region's (virtual) pipeline stage; 0 for a replicated region.
+        microbatch: the microbatch, or ``None`` for per-step collectives.
+        peer: the other rank of a transfer (for pool put/get: the rank on the other side).
+        key: the shape key of a transferred tensor, ``"<region>.s<stage>:act|grad"`` naming
+            the boundary whose output (or output gradient) travels; with the microbatch it
+            fixes the tensor's shape, which varies per microbatch under packing.
+        group: the ranks of a collective.
+    """
+
+    kind: Kind
+    region: str
+    stage: int = 0
+    microbatch: int | None = None
+    peer: int | None = None
+    key: str = ""
+    group: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        text = f"{self.kind.value:<6} {self.region}.s{self.stage}"
+        if self.microbatch is not None:
+            text += f" mb{self.microbatch}"
+        if self.peer is not None:
+            text += f" {'->' if self.kind in SENDS else '<-'} r{self.peer}"
+        if self.key:
+            text += f" [{self.key}]"
+        if self.group:
+            text += f" group={list(self.group)}"
+        return text
+
+
+def format_program(rank: int, program: Sequence[Action]) -> str:
+    """Render one rank's program, one numbered line per action."""
+    return "\n".join(f"r{rank} #{i:<3} {action}" for i, action in enumerate(program))

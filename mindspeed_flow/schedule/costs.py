@@ -1,0 +1,138 @@
+"""Cost model for the simulator: compute time per action, bytes per transfer, link speed.
+
+Costs are given per region and per microbatch for the whole region on one rank; a visit
+that holds part of a region costs its share of the layers.  Encoder time varies by
+microbatch (:class:`Jitter`), and per-microbatch LLM cost can follow the packing cost model
+through ``microbatch_scale`` (see :func:`pack_scale`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from .actions import COLLECTIVES, Action, Kind
+from .errors import ScheduleError
+from .placement import Visit
+
+
+@dataclass(frozen=True)
+class Jitter:
+    """A region's forward time per microbatch: uniform in ``[low, high]`` seconds, except a
+    spike of ``spike`` seconds with probability ``spike_prob``; the same seed gives the same
+    times (FlowTrain: encoder microbatches normally 200-300 ms, spikes over 1000 ms)."""
+
+    low: float
+    high: float
+    spike_prob: float = 0.0
+    spike: float = 0.0
+    seed: int = 0
+
+    def sample(self, microbatch: int) -> float:
+        rng = random.Random(f"{self.seed}:{microbatch}")
+        if rng.random() < self.spike_prob:
+            return self.spike
+        return rng.uniform(self.low, self.high)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Time to move bytes: ``latency + bytes / bandwidth`` (bytes per second)."""
+
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    def seconds(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class RegionCost:
+    """One region's costs per microbatch, for the whole region on one rank.
+
+    Attributes:
+        forward: forward seconds (ignored when ``jitter`` is set).
+        backward_ratio: full backward time over forward time.
+        input_grad_ratio: input-gradient-only backward (frozen region) over forward time.
+        output_bytes: bytes of the activations leaving any stage of the region.
+        stored_bytes: activations kept for the backward pass.
+        param_bytes: parameters (broadcast, gradient reduce of replicated regions).
+        jitter: per-microbatch forward time, for an encoder whose load varies.
+    """
+
+    forward: float = 0.0
+    backward_ratio: float = 2.0
+    input_grad_ratio: float = 1.0
+    output_bytes: float = 0.0
+    stored_bytes: float = 0.0
+    param_bytes: float = 0.0
+    jitter: Jitter | None = None
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Costs of every region plus the links.
+
+    Attributes:
+        regions: region name -> its costs.
+        link: point-to-point link between ranks.
+        pool: link used by pool gets (default: ``link``).
+        microbatch_scale: ``(region, microbatch) -> factor`` on compute time: the hook for
+            the packing cost model, whose packs differ in cost.
+    """
+
+    regions: Mapping[str, RegionCost]
+    link: Link = field(default_factory=Link)
+    pool: Link | None = None
+    microbatch_scale: Callable[[str, int], float] | None = None
+
+    def region(self, name: str) -> RegionCost:
+        try:
+            return self.regions[name]
+        except KeyError:
+            raise ScheduleError(f"cost table has no entry for region {name!r}") from None
+
+    def compute_seconds(self, action: Action, visit: Visit) -> float:
+        """Time of a forward or backward action at a visit."""
+        cost = self.region(action.region)
+        m = action.microbatch
+        base = cost.jitter.sample(m) if cost.jitter else cost.forward
+        if self.microbatch_scale is not None:
+            base *= self.microbatch_scale(action.region, m)
+        ratio = {Kind.FORWARD: 1.0, Kind.BACKWARD: cost.backward_ratio,
+                 Kind.BACKWARD_INPUT: cost.input_grad_ratio}[action.kind]
+        return base * ratio * visit.share
+
+    def transfer_seconds(self, action: Action) -> float:
+        """Time of a receive, a pool get, or a collective over its group."""
+        # A transfer carries the output (or its gradient) of the region named by its key.
+        name = action.region if action.kind in COLLECTIVES else action.key.rsplit(".s", 1)[0]
+        cost = self.region(name)
+        if action.kind is Kind.PARAM_BROADCAST:
+            return self.link.seconds(cost.param_bytes)
+        if action.kind is Kind.GRAD_REDUCE:  # ring all-reduce
+            n = len(action.group)
+            return self.link.seconds(2 * (n - 1) / n * cost.param_bytes)
+        if action.kind is Kind.POOL_GET and self.pool is not None:
+            return self.pool.seconds(cost.output_bytes)
+        return self.link.seconds(cost.output_bytes)
+
+    def stored_bytes(self, visit: Visit) -> float:
+        return self.region(visit.region).stored_bytes * visit.share
+
+
+def pack_scale(pack_costs: Mapping[str, Sequence[float]]) -> Callable[[str, int], float]:
+    """A ``microbatch_scale`` from per-microbatch costs, e.g. the packing cost model's
+    ``a*sum(l) + b*sum(l^2)`` of each pack: each region's costs are divided by their mean,
+    so ``RegionCost.forward`` stays the mean time and packs spread around it."""
+    means = {region: sum(c) / len(c) for region, c in pack_costs.items() if c}
+
+    def scale(region: str, microbatch: int) -> float:
+        if region not in means:
+            return 1.0
+        costs = pack_costs[region]
+        return costs[microbatch % len(costs)] / means[region]
+
+    return scale

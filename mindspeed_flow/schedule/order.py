@@ -1,0 +1,124 @@
+"""Per-rank compute order: each skeleton's own order, merged where layouts share a rank.
+
+A sharded stage follows its skeleton's closed-form order; a replicated rank runs its
+microbatches' forwards, then their backwards.  Where two orders meet on one rank (a
+transposed ViT on the ranks of the LLM pipeline) they are merged by a list schedule over
+nominal durations: every rank starts, among the next steps of its orders whose inputs are
+done, the one that can start first (ties: the visit nearer the loss, which is on the
+critical path).  Each order stays as its skeleton wrote it; only the interleaving is chosen.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .actions import Action, Kind
+from .errors import ScheduleError
+from .placement import Placement, Visit
+from .skeletons import SHARDED, Step, replicated_order
+
+# Nominal seconds of one compute action at one visit.
+Duration = Callable[[Action, Visit], float]
+
+_UNIT = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0}
+
+
+def unit_duration(action: Action, visit: Visit) -> float:
+    """One unit per layer forward, two per layer backward, one for an input-only backward."""
+    return _UNIT[action.kind] * visit.layers
+
+
+def streams(placement: Placement, num_microbatches: int) -> dict[int, list[list[Action]]]:
+    """Per rank, the compute orders (one per group running on it) the skeletons prescribe."""
+    result: dict[int, list[list[Action]]] = {r: [] for r in range(placement.num_ranks)}
+    for group in placement.groups:
+        if group.layout == SHARDED:
+            n = len(group.ranks)
+            for p, rank in enumerate(group.ranks):
+                steps = group.skeleton.order(p, n, num_microbatches)
+                result[rank].append(
+                    [a for s in steps for a in _expand(s, s[1] * n + p, group.slices[s[1] * n + p],
+                                                       placement.backward)]
+                )
+        else:
+            slices = tuple((r.name, r.num_layers) for r in group.regions)
+            for i, rank in enumerate(group.ranks):
+                owned = list(range(i, num_microbatches, len(group.ranks)))
+                result[rank].append(
+                    [a for s in replicated_order(owned) for a in _expand(s, 0, slices,
+                                                                         placement.backward)]
+                )
+    return result
+
+
+def _expand(
+    step: Step, stage: int, slices: Sequence[tuple[str, int]], backward: dict[str, str | None]
+) -> list[Action]:
+    """A step on a (virtual) stage becomes one action per region slice held there."""
+    phase, _, microbatch = step
+    if phase == "F":
+        return [Action(Kind.FORWARD, name, stage, microbatch) for name, _ in slices]
+    return [
+        Action(Kind(backward[name]), name, stage, microbatch)
+        for name, _ in reversed(slices)
+        if backward[name]
+    ]
+
+
+def merge(
+    rank_streams: dict[int, list[list[Action]]],
+    paths: Sequence[Sequence[Visit]],
+    duration: Duration = unit_duration,
+) -> dict[int, list[Action]]:
+    """Interleave each rank's orders by a list schedule over nominal durations."""
+    index = {(m, v.region, v.stage): k for m, path in enumerate(paths) for k, v in enumerate(path)}
+    finish: dict[tuple[str, int, int], float] = {}
+    free = {rank: 0.0 for rank in rank_streams}
+    heads = {rank: [0] * len(s) for rank, s in rank_streams.items()}
+    order: dict[int, list[Action]] = {rank: [] for rank in rank_streams}
+    remaining = sum(len(s) for ss in rank_streams.values() for s in ss)
+
+    def node(action: Action) -> tuple[str, int, int]:
+        phase = "F" if action.kind is Kind.FORWARD else "B"
+        return phase, action.microbatch, index[(action.microbatch, action.region, action.stage)]
+
+    def inputs(action: Action) -> list[tuple[str, int, int]]:
+        phase, m, k = node(action)
+        if phase == "F":
+            return [("F", m, k - 1)] if k > 0 else []
+        after = [("B", m, k + 1)] if k + 1 < len(paths[m]) and paths[m][k + 1].backward else []
+        return [("F", m, k)] + after
+
+    while remaining:
+        best = None
+        for rank in sorted(rank_streams):
+            for s, stream in enumerate(rank_streams[rank]):
+                if heads[rank][s] == len(stream):
+                    continue
+                action = stream[heads[rank][s]]
+                needs = inputs(action)
+                if any(n not in finish for n in needs):
+                    continue
+                start = max([free[rank]] + [finish[n] for n in needs])
+                priority = (start, -node(action)[2], rank, s)
+                if best is None or priority < best[0]:
+                    best = (priority, rank, s, action, start)
+        if best is None:
+            raise ScheduleError("skeleton orders cannot be merged: " + _stuck(rank_streams, heads))
+        _, rank, s, action, start = best
+        _, m, k = node(action)
+        finish[node(action)] = free[rank] = start + duration(action, paths[m][k])
+        order[rank].append(action)
+        heads[rank][s] += 1
+        remaining -= 1
+    return order
+
+
+def _stuck(rank_streams: dict[int, list[list[Action]]], heads: dict[int, list[int]]) -> str:
+    waiting = [
+        f"rank {rank} waits at {stream[heads[rank][s]]}"
+        for rank, ss in sorted(rank_streams.items())
+        for s, stream in enumerate(ss)
+        if heads[rank][s] < len(stream)
+    ]
+    return "; ".join(waiting)

@@ -1,0 +1,109 @@
+"""Which send completes which receive, and which ranks meet in which collective.
+
+Point-to-point transfers travel on channels ``(source, destination, key)``: one channel per
+boundary tensor and direction (one tag or one communicator per seam in the runtime), first
+in first out, so the k-th send on a channel meets the k-th receive on it.  Pool transfers
+are addressed by ``(key, microbatch)``: exactly one put and one get each.  A collective
+meets the same collective (kind, region, group) of every member, k-th with k-th.  The
+validator and the simulator both read programs through this one pairing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .actions import COLLECTIVES, MATCHING_RECV, RECVS, Action, Kind
+from .errors import ScheduleError
+
+# An action's address: (rank, index in that rank's program).
+Ref = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """partner: each transfer's other end; members: each collective's participants."""
+
+    partner: dict[Ref, Ref]
+    members: dict[Ref, tuple[Ref, ...]]
+
+
+def pair(programs: Mapping[int, Sequence[Action]]) -> Pairing:
+    """Pair every transfer and collective, or raise naming the first unmatched one."""
+    partner: dict[Ref, Ref] = {}
+    _pair_p2p(programs, partner)
+    _pair_pool(programs, partner)
+    return Pairing(partner, _pair_collectives(programs))
+
+
+def describe(programs: Mapping[int, Sequence[Action]], ref: Ref) -> str:
+    rank, i = ref
+    return f"rank {rank} action #{i} `{programs[rank][i]}`"
+
+
+def _pair_p2p(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref]) -> None:
+    sends: dict[tuple, list[Ref]] = defaultdict(list)
+    recvs: dict[tuple, list[Ref]] = defaultdict(list)
+    for rank, program in programs.items():
+        for i, a in enumerate(program):
+            if a.kind in MATCHING_RECV:
+                sends[(rank, a.peer, MATCHING_RECV[a.kind], a.key)].append((rank, i))
+            elif a.kind in RECVS and a.kind is not Kind.POOL_GET:
+                recvs[(a.peer, rank, a.kind, a.key)].append((rank, i))
+    for channel in sorted(set(sends) | set(recvs), key=repr):
+        src, dst, _, key = channel
+        out, into = sends[channel], recvs[channel]
+        for s, r in zip(out, into):
+            ms, mr = programs[s[0]][s[1]].microbatch, programs[r[0]][r[1]].microbatch
+            if ms != mr:
+                raise ScheduleError(
+                    f"channel r{src}->r{dst} [{key}]: shape key mismatch, "
+                    f"{describe(programs, s)} sends mb{ms} but "
+                    f"{describe(programs, r)} receives mb{mr} (first in, first out)"
+                )
+            partner[s], partner[r] = r, s
+        for extra in out[len(into):]:
+            raise ScheduleError(f"{describe(programs, extra)} has no matching receive on rank {dst}")
+        for extra in into[len(out):]:
+            raise ScheduleError(f"{describe(programs, extra)} has no matching send on rank {src}")
+
+
+def _pair_pool(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref]) -> None:
+    ends: dict[tuple[str, int | None], dict[Kind, list[Ref]]] = defaultdict(lambda: defaultdict(list))
+    for rank, program in programs.items():
+        for i, a in enumerate(program):
+            if a.kind in (Kind.POOL_PUT, Kind.POOL_GET):
+                ends[(a.key, a.microbatch)][a.kind].append((rank, i))
+    for (key, m), by_kind in sorted(ends.items(), key=repr):
+        puts, gets = by_kind[Kind.POOL_PUT], by_kind[Kind.POOL_GET]
+        for ref in puts[1:] + gets[1:]:
+            raise ScheduleError(f"{describe(programs, ref)}: [{key}] mb{m} is pooled twice")
+        if not gets:
+            raise ScheduleError(f"{describe(programs, puts[0])} is never taken from the pool")
+        if not puts:
+            raise ScheduleError(f"{describe(programs, gets[0])} waits for a put nobody makes")
+        partner[puts[0]], partner[gets[0]] = gets[0], puts[0]
+
+
+def _pair_collectives(programs: Mapping[int, Sequence[Action]]) -> dict[Ref, tuple[Ref, ...]]:
+    calls: dict[tuple, dict[int, list[Ref]]] = defaultdict(lambda: defaultdict(list))
+    for rank, program in programs.items():
+        for i, a in enumerate(program):
+            if a.kind in COLLECTIVES:
+                if rank not in a.group:
+                    raise ScheduleError(f"{describe(programs, (rank, i))}: rank {rank} is not in its group")
+                calls[(a.kind, a.region, a.group)][rank].append((rank, i))
+    members: dict[Ref, tuple[Ref, ...]] = {}
+    for (kind, region, group), by_rank in calls.items():
+        counts = {r: len(by_rank.get(r, [])) for r in group}
+        if len(set(counts.values())) > 1:
+            raise ScheduleError(
+                f"{kind.value} {region} group={list(group)}: members call it unequally often {counts}"
+            )
+        for k in range(counts[group[0]]):
+            refs = tuple(by_rank[r][k] for r in group)
+            for ref in refs:
+                members[ref] = refs
+    return members
+

@@ -1,0 +1,49 @@
+"""A composed schedule: per-rank programs plus the placement facts needed to check them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Mapping
+
+from .actions import Action, format_program
+from .placement import Visit
+from .regions import Region
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`.compose` returns and :func:`.validate` / :func:`.simulate` read.
+
+    Attributes:
+        regions: the regions, in model order.
+        num_microbatches: microbatches per step.
+        programs: rank -> that rank's actions, in execution order.
+        paths: per microbatch, its visits in model order (the intended data flow).
+        roles: rank -> short label of what it runs.
+        semantics: the blocking semantics the programs were made for and are checked and
+            replayed under (``"eager"`` or ``"rendezvous"``, see :mod:`.validate`).
+    """
+
+    regions: tuple[Region, ...]
+    num_microbatches: int
+    programs: Mapping[int, tuple[Action, ...]]
+    paths: tuple[tuple[Visit, ...], ...]
+    roles: Mapping[int, str]
+    semantics: str = "eager"
+
+    @cached_property
+    def visits(self) -> dict[tuple[int, str, int], tuple[int, Visit]]:
+        """(microbatch, region, stage) -> (index on the path, visit)."""
+        return {
+            (m, v.region, v.stage): (k, v)
+            for m, path in enumerate(self.paths)
+            for k, v in enumerate(path)
+        }
+
+    def format(self) -> str:
+        """Every program, one line per action, ranks in order."""
+        return "\n".join(
+            f"# rank {rank}: {self.roles.get(rank, '')}\n{format_program(rank, program)}"
+            for rank, program in sorted(self.programs.items())
+        )

@@ -1,0 +1,155 @@
+"""Skeletons: how one region is laid out over ranks and in which order each rank works.
+
+Two layouts exist.  *Sharded* skeletons (:class:`OneFOneB`, :class:`GPipe`,
+:class:`Interleaved1F1B`) cut a region by layer over pipeline stages; every microbatch
+visits every stage, and each stage follows a fixed, timing-independent order of forward and
+backward steps (the closed forms Megatron and torch use).  *Replicated* skeletons
+(:class:`Transpose`, :class:`Decoupled`) cut by microbatch: the rank owning microbatch ``m``
+runs the whole region for it.  Transpose borrows the ranks of its sharded neighbour (filling
+that pipeline's bubbles); Decoupled is FlowTrain's producer on ranks of its own, joined to its
+neighbours through the memory pool.  How adjacent layouts talk is decided in :mod:`.seams`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Union
+
+from .errors import ScheduleError
+
+SHARDED = "sharded"
+TRANSPOSED = "transposed"
+DECOUPLED = "decoupled"
+
+# One step of a stage's order: ("F" or "B", model chunk, microbatch).
+Step = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """Common part of the layer-sharded skeletons.
+
+    Attributes:
+        stages: pipeline stages (ranks) of this skeleton.
+        layers: layers per (virtual) stage, Megatron's ``pipeline_num_layers``; ``None``
+            splits evenly.  Adjacent regions that share one skeleton value are cut together
+            by this list (a ViT inside stage 0, as MindSpeed-MM places it).
+    """
+
+    stages: int
+    layers: tuple[int, ...] | None = None
+    layout: ClassVar[str] = SHARDED
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ScheduleError(f"{type(self).__name__}: stages must be >= 1, got {self.stages}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+            if len(self.layers) != self.virtual_stages:
+                raise ScheduleError(
+                    f"{type(self).__name__}: layers has {len(self.layers)} entries for "
+                    f"{self.virtual_stages} (virtual) stages"
+                )
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank (1 unless interleaved)."""
+        return 1
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+
+@dataclass(frozen=True)
+class OneFOneB(_Sharded):
+    """One-forward-one-backward (PipeDream-flush), in Megatron's exact order."""
+
+    def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[Step]:
+        """Stage ``stage`` of ``num_stages``: warm-up forwards, 1F1B pairs, cool-down."""
+        warmup = min(num_stages - stage - 1, num_microbatches)
+        steps: list[Step] = [("F", 0, m) for m in range(warmup)]
+        for i in range(num_microbatches - warmup):
+            steps += [("F", 0, warmup + i), ("B", 0, i)]
+        steps += [("B", 0, m) for m in range(num_microbatches - warmup, num_microbatches)]
+        return steps
+
+
+@dataclass(frozen=True)
+class GPipe(_Sharded):
+    """All forwards, then all backwards."""
+
+    def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[Step]:
+        return [("F", 0, m) for m in range(num_microbatches)] + [
+            ("B", 0, m) for m in range(num_microbatches)
+        ]
+
+
+@dataclass(frozen=True)
+class Interleaved1F1B(_Sharded):
+    """Megatron's interleaved 1F1B: each rank holds ``chunks`` model chunks.
+
+    Virtual stage ``v`` lives on rank ``v % stages``; microbatches advance in groups of
+    ``stages`` (Megatron's default ``microbatch_group_size_per_vp_stage``).
+    """
+
+    chunks_per_rank: int = 2
+
+    @property
+    def chunks(self) -> int:
+        return self.chunks_per_rank
+
+    def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[Step]:
+        table = _interleaved_table(num_microbatches, self.chunks, num_stages)
+        total = len(table)
+        warmup = (num_stages - stage - 1) * 2 + (self.chunks - 1) * num_stages
+        warmup = min(warmup, total)
+
+        def forward(k: int) -> Step:
+            return ("F", table[k][1], table[k][0])
+
+        def backward(k: int) -> Step:
+            return ("B", self.chunks - 1 - table[k][1], table[k][0])
+
+        steps = [forward(k) for k in range(warmup)]
+        for i in range(total - warmup):
+            steps += [forward(warmup + i), backward(i)]
+        return steps + [backward(k) for k in range(total - warmup, total)]
+
+
+def _interleaved_table(num_microbatches: int, chunks: int, group: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) for each virtual microbatch id, groups of ``group`` microbatches."""
+    table = []
+    for first in range(0, num_microbatches, group):
+        last = num_microbatches if first + group >= num_microbatches else first + group
+        table += [(m, c) for c in range(chunks) for m in range(first, last)]
+    return table
+
+
+@dataclass(frozen=True)
+class Transpose:
+    """Mpipe's replicated layout: microbatch ``m`` runs the whole region on one rank of the
+    neighbouring sharded pipeline (round robin), in the bubbles of that pipeline."""
+
+    layout: ClassVar[str] = TRANSPOSED
+
+
+@dataclass(frozen=True)
+class Decoupled:
+    """FlowTrain's producer: the region runs on ``ranks`` ranks of its own, microbatch ``m``
+    on rank ``m % ranks``, and hands its output to the next region through the pool."""
+
+    ranks: int = 1
+    layout: ClassVar[str] = DECOUPLED
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ScheduleError(f"Decoupled: ranks must be >= 1, got {self.ranks}")
+
+
+Skeleton = Union[OneFOneB, GPipe, Interleaved1F1B, Transpose, Decoupled]
+
+
+def replicated_order(owned: list[int]) -> list[Step]:
+    """A replicated rank's own order: forwards of its microbatches, then their backwards."""
+    return [("F", 0, m) for m in owned] + [("B", 0, m) for m in owned]

@@ -1,0 +1,125 @@
+"""validate: prove a plan's programs are complete, matched, ordered and deadlock-free.
+
+Checks, in order, each raising :class:`.ScheduleError` naming the first fault:
+
+1. every action is well formed and runs where the placement puts it;
+2. every forward, and every backward the trainable bits require, runs exactly once;
+3. every send has exactly one matching receive with the same shape key (see
+   :mod:`.pairing`), every pool put one get, every collective all its members;
+4. on every rank, each microbatch's input is there before a compute uses it and a tensor is
+   computed before it is sent (so forward precedes backward and region order holds: with
+   3, every dependency happens before its use);
+5. symbolic execution under blocking semantics reaches the end of every program.
+
+Two blocking semantics are understood.  ``"rendezvous"``: a send completes only once its
+receive is posted (NCCL/HCCL p2p); consecutive transfers are posted together as one batch
+(``batch_isend_irecv``, Megatron's ``send_forward_recv_backward``) and the batch completes
+when each of them has met its partner.  ``"eager"``: a send completes when its message is
+handed to the transport (``isend``); a receive blocks until the message was sent.  Pool puts
+never block (the pool holds the tensor), gets block until the put; collectives block until
+every member has reached them.  Rendezvous is the stricter; a plan that passes it passes
+eager as well.  :func:`.compose` makes programs for either.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping, Sequence
+
+from .actions import BACKWARDS, COLLECTIVES, COMPUTE, RECVS, SENDS, Action, Kind
+from .errors import ScheduleError
+from .execution import SEMANTICS, execute, explain
+from .pairing import describe, pair
+from .plan import Plan
+
+
+def validate(plan: Plan, *, semantics: str | None = None) -> None:
+    """Raise :class:`.ScheduleError` for the first fault in ``plan``; return if none.
+
+    ``semantics`` defaults to the one the plan was composed for.
+    """
+    semantics = semantics or plan.semantics
+    if semantics not in SEMANTICS:  # fail before the slower checks
+        raise ScheduleError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    programs = plan.programs
+    _check_actions(plan)
+    _check_complete(plan)
+    pairing = pair(programs)
+    for rank, program in programs.items():
+        _check_dataflow(plan, rank, program)
+    outcome = execute(programs, pairing, semantics)
+    if not outcome.finished:
+        raise ScheduleError(explain(programs, outcome, semantics))
+
+
+def _check_actions(plan: Plan) -> None:
+    ranks = set(plan.programs)
+    for rank, program in plan.programs.items():
+        for i, a in enumerate(program):
+            where = describe(plan.programs, (rank, i))
+            if a.kind in COLLECTIVES:
+                continue
+            if a.microbatch is None or not 0 <= a.microbatch < plan.num_microbatches:
+                raise ScheduleError(f"{where}: microbatch {a.microbatch} is not in 0..{plan.num_microbatches - 1}")
+            found = plan.visits.get((a.microbatch, a.region, a.stage))
+            if found is None:
+                raise ScheduleError(f"{where}: region {a.region!r} has no stage {a.stage}")
+            if found[1].rank != rank:
+                raise ScheduleError(
+                    f"{where}: {a.region}.s{a.stage} mb{a.microbatch} is placed on rank "
+                    f"{found[1].rank}, not {rank}"
+                )
+            if a.kind not in COMPUTE and (a.peer not in ranks or a.peer == rank):
+                raise ScheduleError(f"{where}: peer {a.peer} is not another rank")
+
+
+def _check_complete(plan: Plan) -> None:
+    seen = Counter(
+        (a.kind, a.microbatch, a.region, a.stage)
+        for program in plan.programs.values()
+        for a in program
+        if a.kind in COMPUTE
+    )
+    for m, path in enumerate(plan.paths):
+        for v in path:
+            expected = [Kind.FORWARD] + ([Kind(v.backward)] if v.backward else [])
+            for kind in expected:
+                count = seen.pop((kind, m, v.region, v.stage), 0)
+                if count != 1:
+                    raise ScheduleError(
+                        f"{kind.value} {v.tag} mb{m} runs {count} times on rank {v.rank}, expected once"
+                    )
+    for (kind, m, region, stage) in seen:
+        reason = "a frozen region without a gradient path" if kind in BACKWARDS else "not on the path"
+        raise ScheduleError(f"unexpected {kind.value} {region}.s{stage} mb{m}: {reason}")
+
+
+def _check_dataflow(plan: Plan, rank: int, program: Sequence[Action]) -> None:
+    """Walk one program keeping the tensors it holds: inputs must be there before use."""
+    held: set[tuple[str, int]] = set()  # (key, microbatch)
+    for i, a in enumerate(program):
+        if a.kind in COLLECTIVES:
+            continue
+        m = a.microbatch
+        k, visit = plan.visits[(m, a.region, a.stage)]
+        path = plan.paths[m]
+        needs: list[str] = []
+        makes: list[str] = []
+        if a.kind is Kind.FORWARD:
+            needs = [f"{path[k - 1].tag}:act"] if k > 0 else []
+            makes = [f"{visit.tag}:act", f"{visit.tag}:fwd"]
+        elif a.kind in BACKWARDS:
+            needs = [f"{visit.tag}:fwd"] + ([f"{visit.tag}:grad"] if k + 1 < len(path) else [])
+            makes = [f"{path[k - 1].tag}:grad"] if k > 0 else []
+        elif a.kind in SENDS:
+            needs = [a.key]
+        elif a.kind in RECVS:
+            makes = [a.key]
+        for need in needs:
+            if (need, m) not in held:
+                what = "forward" if need.endswith(":fwd") else f"[{need}]"
+                raise ScheduleError(
+                    f"{describe(plan.programs, (rank, i))}: needs {what} of mb{m} "
+                    "earlier on this rank (microbatch order broken)"
+                )
+        held.update((make, m) for make in makes)
