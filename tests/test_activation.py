@@ -4,6 +4,7 @@ Each case runs a fresh interpreter, since the hook acts at interpreter start-up.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import sysconfig
@@ -77,3 +78,16 @@ def test_python_dash_m_launch_with_the_flag_also_seen_by_the_hook(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert last_json(proc)["enabled"] == ["core"]
     assert proc.stderr.count("feature 'packing' has no patches") == 1
+
+
+def test_under_torchrun_each_worker_runs_the_script_with_the_plugin_active(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(PROBE.replace('print(json.dumps({', 'import os\nprint(json.dumps({"rank": os.environ["RANK"], '))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", "0",
+                           "-m", "mindspeed_flow.launch", str(script), "--flow-packing"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [json.loads(line[line.index("{"):]) for line in proc.stdout.splitlines() if '"rank"' in line]
+    assert sorted(line["rank"] for line in lines) == ["0", "1"]
+    assert all(line["enabled"] == ["core"] for line in lines)
