@@ -1,6 +1,6 @@
 """Portable varlen attention: PyTorch SDPA over the segments of a pack.
 
-Segments of equal (query, key) length are gathered into one batch, so a pack of many
+Segments of equal (query, key) length are stacked into one batch, so a pack of many
 same-sized pieces (Qwen2.5-VL windows, video frames) costs one SDPA call, not one per
 piece.  No mask spanning the pack is built: plain causal segments use SDPA's
 ``is_causal`` (the CPU flash kernel, which materialises nothing), and a mask is built only
@@ -36,31 +36,35 @@ def sdpa_varlen(
     window: Window,
     dropout_p: float,
 ) -> torch.Tensor:
-    """TND in, TND out; see :func:`mindspeed_flow.attention.varlen_attention`."""
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    for start_q, start_k, lq, lk in zip(offsets_q, offsets_k, lengths(offsets_q), lengths(offsets_k)):
-        if lq:
-            groups[(lq, lk)].append((start_q, start_k))
+    """TND in, TND out; see :func:`mindspeed_flow.attention.varlen_attention`.
 
-    pieces, rows = [], []
-    for (lq, lk), starts in groups.items():
-        start_q = torch.tensor([s for s, _ in starts], device=q.device)
-        start_k = torch.tensor([s for _, s in starts], device=q.device)
-        idx_q = (start_q[:, None] + torch.arange(lq, device=q.device)).flatten()
-        idx_k = (start_k[:, None] + torch.arange(lk, device=q.device)).flatten()
-        n = len(starts)
-        qg = q[idx_q].view(n, lq, *q.shape[1:]).transpose(1, 2)
-        kg = k[idx_k].view(n, lk, *k.shape[1:]).transpose(1, 2)
-        vg = v[idx_k].view(n, lk, *v.shape[1:]).transpose(1, 2)
-        out = _attend(qg, kg, vg, causal, scale, window, dropout_p)  # [n, H, lq, Dv]
-        pieces.append(out.transpose(1, 2).reshape(n * lq, *out.shape[1:2], out.shape[-1]))
-        rows.append(idx_q)
+    Segments are split off as views and joined back with ``cat``, whose backward passes
+    are a ``cat`` and a ``split``: no pack-sized zero gradient per segment, as indexing
+    the pack would allocate.
+    """
+    lens_q, lens_k = lengths(offsets_q), lengths(offsets_k)
+    parts_q, parts_k, parts_v = q.split(lens_q), k.split(lens_k), v.split(lens_k)
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for index, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        groups[(lq, lk)].append(index)
 
-    if not pieces:  # an empty pack
-        return q.new_zeros(0, q.shape[1], v.shape[-1])
-    # The offsets cover every query row exactly once, so sorting the gathered rows by
-    # their position restores the pack order.
-    return torch.cat(pieces)[torch.argsort(torch.cat(rows))]
+    outs: list[torch.Tensor] = [q.new_zeros(0, q.shape[1], v.shape[-1])] * len(lens_q)
+    for (lq, _), members in groups.items():
+        if lq == 0:
+            continue
+        out = _attend(
+            _batch(parts_q, members), _batch(parts_k, members), _batch(parts_v, members),
+            causal, scale, window, dropout_p,
+        ).transpose(1, 2)  # [n, lq, H, Dv]
+        for row, index in enumerate(members):
+            outs[index] = out[row]
+    return torch.cat(outs)
+
+
+def _batch(parts: tuple[torch.Tensor, ...], members: list[int]) -> torch.Tensor:
+    """Segments of one length as a batch ``[n, H, L, D]`` (a view when there is one)."""
+    batch = parts[members[0]][None] if len(members) == 1 else torch.stack([parts[i] for i in members])
+    return batch.transpose(1, 2)
 
 
 def _attend(q, k, v, causal: bool, scale: float, window: Window, dropout_p: float) -> torch.Tensor:
