@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from .actions import COLLECTIVES, Action, Kind
@@ -29,6 +29,10 @@ class Jitter:
     spike_prob: float = 0.0
     spike: float = 0.0
     seed: int = 0
+
+    @property
+    def mean(self) -> float:
+        return (1 - self.spike_prob) * (self.low + self.high) / 2 + self.spike_prob * self.spike
 
     def sample(self, microbatch: int) -> float:
         rng = random.Random(f"{self.seed}:{microbatch}")
@@ -87,6 +91,18 @@ class CostTable:
     link: Link = field(default_factory=Link)
     pool: Link | None = None
     microbatch_scale: Callable[[str, int], float] | None = None
+
+    def nominal(self) -> CostTable:
+        """The same table with every jitter replaced by its mean and no per-microbatch
+        scale: what a schedule can know before the step runs (for :func:`.compose`)."""
+        return CostTable(
+            regions={
+                name: replace(c, forward=c.jitter.mean, jitter=None) if c.jitter else c
+                for name, c in self.regions.items()
+            },
+            link=self.link,
+            pool=self.pool,
+        )
 
     def region(self, name: str) -> RegionCost:
         try:

@@ -1,0 +1,200 @@
+"""Paper-scale comparisons described in YAML (``configs/sim/*.yaml``).
+
+A config names one model (a ViT region and an LLM region with their costs), a device
+budget and several schedules, each one of four layouts built from the algebra:
+
+``megatron``   the ViT inside stage 0 of one 1F1B (both regions share one skeleton, cut by
+               ``layers`` like MindSpeed-MM's ``pipeline_num_layers``);
+``disttrain``  the ViT on ``encoder_stages`` stages of its own, in lockstep with the LLM's
+               1F1B (one longer pipeline);
+``transpose``  Mpipe's ``<transpose, 1f1b>``: the ViT replicated over the LLM's stages;
+``decoupled``  FlowTrain's producer on ``encoder_ranks`` ranks of its own, through the pool.
+
+Every schedule is simulated for ``seeds`` steps (encoder jitter and pack costs differ per
+step) and compared per device: a simulated rank is a group of ``devices_per_rank`` devices
+(the TP group; encoder-only ranks may be smaller), one simulated pipeline is one data
+parallel replica, and the budget's devices are divided into replicas fractionally, so a
+layout with extra encoder ranks pays for them exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .compose import compose
+from .costs import CostTable, Jitter, Link, RegionCost, pack_scale
+from .errors import ScheduleError
+from .plan import Plan
+from .regions import Region
+from .simulate import simulate
+from .skeletons import Decoupled, OneFOneB, Transpose
+from .validate import validate
+
+LAYOUTS = ("megatron", "disttrain", "transpose", "decoupled")
+_MB = 2**20
+
+
+@dataclass(frozen=True)
+class Row:
+    """One schedule's averages over the simulated steps."""
+
+    name: str
+    layout: str
+    ranks: int
+    devices: int  # per replica
+    step: float
+    bubble: float
+    util_min: float
+    util_max: float
+    peak_gib: float
+    throughput: float  # microbatches per second over the whole device budget
+    speedup: float  # over the config's first schedule
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def build_regions(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> list[Region]:
+    """The regions of one schedule entry: the ViT and the LLM under the entry's layout."""
+    vit, llm = _need(config, "regions", "vit"), _need(config, "regions", "llm")
+    layout = schedule.get("layout")
+    stages = _need(schedule, "stages")
+    llm_skeleton = OneFOneB(stages=stages)
+    if layout == "megatron":
+        shared = OneFOneB(stages=stages, layers=tuple(schedule["layers"]) if "layers" in schedule else None)
+        vit_skeleton = llm_skeleton = shared
+    elif layout == "disttrain":
+        vit_skeleton = OneFOneB(stages=schedule.get("encoder_stages", 1))
+    elif layout == "transpose":
+        vit_skeleton = Transpose()
+    elif layout == "decoupled":
+        vit_skeleton = Decoupled(ranks=schedule.get("encoder_ranks", 1))
+    else:
+        raise ScheduleError(f"schedule {schedule.get('name')!r}: layout {layout!r} is not one of {LAYOUTS}")
+    return [
+        Region("vit", vit["layers"], vit_skeleton, trainable=vit.get("trainable", True)),
+        Region("llm", llm["layers"], llm_skeleton, trainable=llm.get("trainable", True)),
+    ]
+
+
+def build_costs(config: Mapping[str, Any], schedule: Mapping[str, Any], seed: int) -> CostTable:
+    """Costs of one simulated step of one schedule entry: encoder jitter and pack-cost
+    spread drawn from ``seed``.  Encoder ranks of ``encoder_devices_per_rank`` devices run
+    the ViT slower than a full rank, in proportion (ideal scaling is assumed)."""
+    slowdown = {"vit": _need(config, "devices_per_rank") / schedule.get(
+        "encoder_devices_per_rank", _need(config, "devices_per_rank"))}
+    regions = {
+        name: _region_cost(spec, seed, slowdown.get(name, 1.0))
+        for name, spec in _need(config, "regions").items()
+    }
+    cv = _need(config, "packing_cv", schedule.get("packing", "unbalanced"))
+    rng = random.Random(f"packs:{seed}")
+    packs = [max(0.2, rng.gauss(1.0, cv)) for _ in range(_need(config, "num_microbatches"))]
+    return CostTable(
+        regions=regions,
+        link=_link(config.get("link", {})),
+        pool=_link(config["pool"]) if "pool" in config else None,
+        microbatch_scale=pack_scale({"llm": packs}),
+    )
+
+
+def plan_for(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> Plan:
+    """Compose and validate one schedule entry; its nominal costs order shared ranks."""
+    nominal = build_costs(config, schedule, seed=0).nominal()
+    plan = compose(build_regions(config, schedule), _need(config, "num_microbatches"),
+                   duration=nominal.compute_seconds)
+    validate(plan)
+    return plan
+
+
+def run(config: Mapping[str, Any], charts: Path | None = None) -> list[Row]:
+    """Simulate every schedule of ``config``; draw each one's first step under ``charts``."""
+    rows: list[Row] = []
+    per_rank = _need(config, "devices_per_rank")
+    count = _need(config, "num_microbatches")
+    for schedule in _need(config, "schedules"):
+        name = _need(schedule, "name")
+        plan = plan_for(config, schedule)
+        results = [simulate(plan, build_costs(config, schedule, s)) for s in range(config.get("seeds", 1))]
+        if charts is not None:
+            results[0].gantt(charts / f"{name}.png", f"{config.get('name', '')} {name}")
+        encoder_ranks = _encoder_ranks(plan)
+        devices = per_rank * (len(plan.programs) - encoder_ranks) + encoder_ranks * schedule.get(
+            "encoder_devices_per_rank", per_rank)
+        step = _mean(r.step_time for r in results)
+        throughput = count / step * _need(config, "devices") / devices
+        rows.append(Row(
+            name=name,
+            layout=schedule["layout"],
+            ranks=len(plan.programs),
+            devices=devices,
+            step=step,
+            bubble=_mean(r.bubble_fraction for r in results),
+            util_min=_mean(min(r.utilisation.values()) for r in results),
+            util_max=_mean(max(r.utilisation.values()) for r in results),
+            peak_gib=max(max(r.peak_bytes.values()) for r in results) / 2**30,
+            throughput=throughput,
+            speedup=throughput / rows[0].throughput if rows else 1.0,
+        ))
+    return rows
+
+
+def _encoder_ranks(plan: Plan) -> int:
+    """Ranks that run only the ViT (its own stages or producer ranks)."""
+    return sum(1 for role in plan.roles.values() if role.startswith("vit") and "llm" not in role)
+
+
+def format_table(title: str, rows: list[Row]) -> str:
+    header = (f"{'schedule':<20} {'layout':<10} {'ranks':>5} {'dev':>4} {'step s':>8} {'bubble':>7} "
+              f"{'util min-max':>13} {'peak act GiB':>12} {'mb/s':>8} {'speedup':>8}")
+    lines = [title, header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.name:<20} {r.layout:<10} {r.ranks:>5} {r.devices:>4} {r.step:>8.2f} {r.bubble:>7.1%} "
+            f"{r.util_min:>6.0%}-{r.util_max:<6.0%} {r.peak_gib:>12.1f} {r.throughput:>8.1f} {r.speedup:>7.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _region_cost(spec: Mapping[str, Any], seed: int, slowdown: float) -> RegionCost:
+    forward = _need(spec, "forward_ms")
+    jitter = None
+    if isinstance(forward, list):
+        low, high = (slowdown * f / 1e3 for f in forward)
+        spike = slowdown * spec.get("spike_ms", 0.0) / 1e3
+        jitter = Jitter(low, high, spec.get("spike_prob", 0.0), spike, seed)
+        forward = sum(forward) / 2
+    return RegionCost(
+        forward=slowdown * forward / 1e3,
+        backward_ratio=spec.get("backward_ratio", 2.0),
+        input_grad_ratio=spec.get("input_grad_ratio", 1.0),
+        output_bytes=spec.get("output_mb", 0) * _MB,
+        stored_bytes=spec.get("stored_mb", 0) * _MB,
+        param_bytes=spec.get("param_mb", 0) * _MB,
+        jitter=jitter,
+    )
+
+
+def _link(spec: Mapping[str, Any]) -> Link:
+    return Link(latency=spec.get("latency_us", 0) / 1e6, bandwidth=spec.get("gb_per_s", float("inf")) * 1e9)
+
+
+def _need(mapping: Mapping[str, Any], *keys: str) -> Any:
+    value: Any = mapping
+    for i, key in enumerate(keys):
+        if not isinstance(value, Mapping) or key not in value:
+            raise ScheduleError(f"config: missing {'.'.join(keys[: i + 1])}")
+        value = value[key]
+    return value
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
