@@ -49,6 +49,8 @@ registry.enable({"alias"})
 out["main_alias_rebound"] = forward_backward_no_pipelining is schedules.forward_backward_no_pipelining
 out["main_alias_wrapped"] = forward_backward_no_pipelining is not keep["no_pp"]
 
+from mindspeed_flow.patching.patch import format_params, params_of
+out["real_params"] = format_params(params_of(schedules.get_forward_backward_func))  # () in 0.12, (pp_size, vp_size) in 0.16
 bad = PatchRegistry([Patch("x", SCHED + ":get_forward_backward_func", wrapper=record("x"),
                            params="pipeline_parallel_size", checked=("megatron-core 0.11",))])
 try:
@@ -86,7 +88,7 @@ def test_patches_apply_on_import_of_megatron_core_and_undo_exactly():
     assert out["main_alias_rebound"] and out["main_alias_wrapped"]
     error = out["bad_error"]
     assert error is not None
-    for needle in ("get_forward_backward_func", "expected (pipeline_parallel_size)", "found ()",
+    for needle in ("get_forward_backward_func", "expected (pipeline_parallel_size)", f"found {out['real_params']}",
                    "megatron-core 0.", "megatron-core 0.11"):
         assert needle in error, (needle, error)
     assert out["restored"] == dict.fromkeys(out["restored"], True)
