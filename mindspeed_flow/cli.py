@@ -10,7 +10,11 @@ from typing import Sequence
 
 from mindspeed_flow import __version__
 
-SUBCOMMAND_MODULES = ("mindspeed_flow.doctor",)
+SUBCOMMAND_MODULES = (
+    "mindspeed_flow.doctor",
+    "mindspeed_flow.schedule.cli",
+    "mindspeed_flow.attention.conv_matmul_cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,16 @@ print(json.dumps({"loaded": loaded, "enabled": active}))
 '''
 
 
+def expected(requested):
+    """What activation enables: core plus the requested features that have patches."""
+    from mindspeed_flow.config import FEATURE_NAMES
+    from mindspeed_flow.patches import all_patches
+
+    declared = {p.feature for p in all_patches()}
+    requested = set(FEATURE_NAMES) if requested == "all" else set(requested)
+    return sorted(({"core"} | requested) & declared)
+
+
 def probe(args=(), env=None):
     return last_json(run_python(PROBE, args, env=env))
 
@@ -41,13 +51,13 @@ def test_without_flags_nothing_of_the_plugin_is_imported():
 
 def test_flag_on_an_unchanged_command_line_activates():
     out = probe(["--num-layers", "2", "--use-flowtrain", "--no-flow-pool"])
-    assert out["enabled"] == ["core"]  # only core has patches in this version; others are logged
+    assert out["enabled"] == expected(set(expected("all")) - {"pool"})
     assert "mindspeed_flow.patches.core" in out["loaded"]
 
 
 def test_environment_variable_activates_like_the_flag():
     run = run_python(PROBE, env={"MINDSPEED_FLOW_FLAGS": "--flow-packing"})
-    assert last_json(run)["enabled"] == ["core"]
+    assert last_json(run)["enabled"] == expected({"packing"}) == ["core"]
     assert "feature 'packing' has no patches in this version" in run.stderr
 
 
@@ -65,7 +75,7 @@ def test_launcher_runs_a_module_and_explains_its_usage(tmp_path):
     (tmp_path / "trainer_mod.py").write_text(PROBE)
     out = last_json(run_python("from mindspeed_flow.launch import main; main()",
                                ["-m", "trainer_mod", "--flow-fused-attn"], env={"PYTHONPATH": str(tmp_path)}))
-    assert out["enabled"] == ["core"]
+    assert out["enabled"] == expected({"fused_attn"}) == ["core", "fused_attn"]
     bare = run_python("import runpy; runpy.run_module('mindspeed_flow.launch', run_name='__main__')")
     assert bare.returncode == 2 and "usage: python -m mindspeed_flow.launch" in bare.stdout
 
@@ -76,7 +86,7 @@ def test_python_dash_m_launch_with_the_flag_also_seen_by_the_hook(tmp_path):
     script.write_text(PROBE)
     proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", str(script), "--use-flowtrain"],
                           capture_output=True, text=True, timeout=120)
-    assert last_json(proc)["enabled"] == ["core"]
+    assert last_json(proc)["enabled"] == expected("all")
     assert proc.stderr.count("feature 'packing' has no patches") == 1
 
 
@@ -90,4 +100,4 @@ def test_under_torchrun_each_worker_runs_the_script_with_the_plugin_active(tmp_p
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(line[line.index("{"):]) for line in proc.stdout.splitlines() if '"rank"' in line]
     assert sorted(line["rank"] for line in lines) == ["0", "1"]
-    assert all(line["enabled"] == ["core"] for line in lines)
+    assert all(line["enabled"] == expected({"packing"}) for line in lines)
