@@ -15,16 +15,17 @@ Every ratio is computed from baselines measured in the same run:
 * patch embedding: Qwen2-VL's Conv3d(3, 1280, [2, 14, 14]) vs PatchEmbedMatmul on the same
   weights and pixels, forward and forward+backward.
 
-Peak memory is the rise of the process's peak resident set (VmHWM, reset through
-/proc/self/clear_refs) over the resident set before the case: what the case allocates
-(mask, workspace, outputs, saved tensors), inputs excluded.  Time is the best of
-``--repeats`` runs.  Heads and head dim are reduced (default 4 x 64, not e.g. 28 x 128) to
+Peak memory is what the case allocates (mask, workspace, outputs, saved tensors), inputs
+excluded: on CPU the rise of the process's peak resident set, on CUDA (``--device cuda``)
+the caching allocator's peak.  Time is the best of ``--repeats`` runs (use 2 or more on
+CUDA, where the first includes kernel selection).  Heads and head dim are reduced (default 4 x 64, not e.g. 28 x 128) to
 fit 2 cores; both sides scale the same way with them.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import random
@@ -67,6 +68,18 @@ class Case:
         return 1.0 - self.varlen_mb / self.dense_mb if self.dense_mb > 0 else float("nan")
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def return_freed_memory_at_once() -> None:
+    """Make glibc serve every allocation over 64 KiB by mmap and unmap it on free.
+
+    Otherwise glibc raises its mmap threshold after large frees and later cases reuse the
+    heap a previous case grew, so their resident-set peak would be under-counted.
+    """
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+
+
 def _status_mb(field: str) -> float:
     with open("/proc/self/status") as status:
         for line in status:
@@ -75,18 +88,31 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measure(fn: Callable[[], torch.Tensor], repeats: int) -> tuple[float, float, torch.Tensor]:
-    """(best seconds, peak MB above the starting resident set, last output)."""
+def measure(fn: Callable[[], torch.Tensor], repeats: int, device: torch.device) -> tuple[float, float, torch.Tensor]:
+    """(best seconds, peak MB above what was allocated before, last output).
+
+    CPU: the process's peak resident set (VmHWM, reset through /proc/self/clear_refs).
+    CUDA: the caching allocator's peak allocation, with a synchronise around the timing.
+    """
     best, peak, out = math.inf, 0.0, None
+    cuda = device.type == "cuda"
     for _ in range(repeats):
         out = None
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")  # resets VmHWM to the current resident set
-        before = _status_mb("VmRSS")
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated() / 2**20
+        else:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # resets VmHWM to the current resident set
+            before = _status_mb("VmRSS")
         start = time.perf_counter()
         out = fn()
+        if cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
-        peak = max(peak, _status_mb("VmHWM") - before)
+        high = torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mb("VmHWM")
+        peak = max(peak, high - before)
     return best, peak, out
 
 
@@ -120,14 +146,15 @@ def fill_pack(capacity: int, sample: Callable[[random.Random], int], seed: int) 
 
 
 def bench_attention(name: str, lengths: list[int], causal: bool, heads: int, dim: int,
-                    backward: bool, repeats: int) -> Case:
+                    backward: bool, repeats: int, device: torch.device, dtype: torch.dtype) -> Case:
     total = sum(lengths)
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(total, heads, dim, generator=gen, requires_grad=backward) for _ in range(3))
-    grad = torch.randn(total, heads, dim, generator=gen)
+    q, k, v = (torch.randn(total, heads, dim, generator=gen).to(device, dtype).requires_grad_(backward)
+               for _ in range(3))
+    grad = torch.randn(total, heads, dim, generator=gen).to(device, dtype)
 
     def run(attend: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def case() -> torch.Tensor:
@@ -138,7 +165,7 @@ def bench_attention(name: str, lengths: list[int], causal: bool, heads: int, dim
         return case
 
     def dense() -> torch.Tensor:
-        mask = segment_mask(cu, cu, total, total, causal)
+        mask = segment_mask(cu, cu, total, total, causal, device=device)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask)
         return out[0].transpose(0, 1)
@@ -147,22 +174,22 @@ def bench_attention(name: str, lengths: list[int], causal: bool, heads: int, dim
         return varlen_attention(q, k, v, cu, cu, causal)
 
     with torch.set_grad_enabled(backward):
-        dense_s, dense_mb, dense_out = measure(run(dense), repeats)
-        varlen_s, varlen_mb, varlen_out = measure(run(varlen), repeats)
+        dense_s, dense_mb, dense_out = measure(run(dense), repeats, device)
+        varlen_s, varlen_mb, varlen_out = measure(run(varlen), repeats, device)
     return Case(name, total, len(lengths), max(lengths), backward, dense_s, dense_mb, varlen_s, varlen_mb,
-                (dense_out - varlen_out).abs().max().item())
+                (dense_out.float() - varlen_out.float()).abs().max().item())
 
 
-def bench_patch_embed(patches: int, repeats: int) -> dict[str, float]:
+def bench_patch_embed(patches: int, repeats: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     torch.manual_seed(0)
-    conv = nn.Conv3d(3, 1280, (2, PATCH, PATCH), stride=(2, PATCH, PATCH), bias=False)
+    conv = nn.Conv3d(3, 1280, (2, PATCH, PATCH), stride=(2, PATCH, PATCH), bias=False).to(device, dtype)
     matmul = PatchEmbedMatmul.from_conv(conv)
-    pixels = torch.randn(patches, 3, 2, PATCH, PATCH)
+    pixels = torch.randn(patches, 3, 2, PATCH, PATCH).to(device, dtype)
     result: dict[str, float] = {"patches": patches}
     for label, module in (("conv3d", conv), ("matmul", matmul)):
         with torch.no_grad():
-            result[f"{label}_fwd_s"] = measure(lambda: module(pixels), repeats)[0]
-        result[f"{label}_fwd_bwd_s"] = measure(lambda: _fwd_bwd(module, pixels), repeats)[0]
+            result[f"{label}_fwd_s"] = measure(lambda: module(pixels), repeats, device)[0]
+        result[f"{label}_fwd_bwd_s"] = measure(lambda: _fwd_bwd(module, pixels), repeats, device)[0]
     result["fwd_speedup"] = result["conv3d_fwd_s"] / result["matmul_fwd_s"]
     result["fwd_bwd_speedup"] = result["conv3d_fwd_bwd_s"] / result["matmul_fwd_bwd_s"]
     return result
@@ -185,9 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patches", type=int, default=4096, help="patches for the patch-embedding case")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the SDPA backend either way)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cpu":
+        return_freed_memory_at_once()
 
     cases = []
     for size in args.sizes:
@@ -197,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # same dense cost as llm-causal at this size; keeps the run short
             lengths = fill_pack(size, sample, seed=size)
             cases.append(bench_attention(f"{name}-{size // 1024}K", lengths, causal, args.heads,
-                                         args.head_dim, backward, args.repeats))
+                                         args.head_dim, backward, args.repeats, device, dtype))
             print(_row(cases[-1]), flush=True)
-    embed = bench_patch_embed(args.patches, args.repeats)
+    embed = bench_patch_embed(args.patches, args.repeats, device, dtype)
     print(f"patch embed {embed['patches']} patches: conv3d fwd {embed['conv3d_fwd_s']:.3f}s "
           f"fwd+bwd {embed['conv3d_fwd_bwd_s']:.3f}s | matmul fwd {embed['matmul_fwd_s']:.3f}s "
           f"fwd+bwd {embed['matmul_fwd_bwd_s']:.3f}s | speedup fwd {embed['fwd_speedup']:.1f}x "
