@@ -87,6 +87,13 @@ def test_interleaved_follows_megatrons_virtual_microbatch_table():
     validate(plan)
 
 
+def test_interleaved_refuses_what_megatron_refuses():
+    with pytest.raises(ScheduleError, match="6 microbatches is not a multiple of 4 stages"):
+        compose([Region("llm", 8, Interleaved1F1B(stages=4))], 6)
+    with pytest.raises(ScheduleError, match="chunks_per_rank must be >= 2"):
+        Interleaved1F1B(stages=2, chunks_per_rank=1)
+
+
 # --------------------------------------------------------------------------- seams and layouts
 
 
@@ -129,6 +136,16 @@ def test_transpose_runs_microbatches_round_robin_on_the_pipeline_ranks():
     assert [(a.microbatch, a.peer, a.key) for a in sends] == [(1, 0, "vit.s0:act"), (3, 0, "vit.s0:act")]
     # the owner of mb0 is stage 0 itself: nothing travels
     assert not any(a.kind is Kind.RECV_ACT and a.microbatch in (0, 2) for a in plan.programs[0])
+
+
+def test_transposed_head_after_the_pipeline_borrows_its_ranks():
+    regions = [Region("llm", 4, OneFOneB(stages=2)), Region("head", 1, Transpose())]
+    plan = compose(regions, 4)
+    assert plan.roles == {0: "llm.s0 + head(transposed)", 1: "llm.s1 + head(transposed)"}
+    # the head's backward follows its forward; it does not wait for later forwards
+    assert compute_order(plan, 0)[:4] == ["F0", "F1", "F0", "B0"]
+    validate(plan)
+    validate(compose(regions, 4, semantics="rendezvous"))
 
 
 def test_transpose_without_a_sharded_neighbour_is_an_error():
@@ -215,13 +232,14 @@ def _skeleton(kind, stages, ranks):
         "gpipe": GPipe(stages=stages),
         "transpose": Transpose(),
         "decoupled": Decoupled(ranks=ranks),
+        "interleaved": Interleaved1F1B(stages=stages),
     }[kind]
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     encoder=st.sampled_from(["1f1b", "transpose", "decoupled"]),
-    backbone=st.sampled_from(["1f1b", "gpipe"]),
+    backbone=st.sampled_from(["1f1b", "gpipe", "interleaved"]),
     stages=st.integers(1, 4),
     ranks=st.integers(1, 3),
     microbatches=st.integers(1, 9),
@@ -229,11 +247,13 @@ def _skeleton(kind, stages, ranks):
     semantics=st.sampled_from(["eager", "rendezvous"]),
 )
 def test_every_composition_validates(encoder, backbone, stages, ranks, microbatches, trainable, semantics):
-    if encoder == "1f1b" and backbone == "gpipe":
-        encoder = "transpose"  # sharded pipelines of different orders do not join
+    if encoder == "1f1b" and backbone != "1f1b":
+        encoder = "transpose"  # only equal non-interleaved orders join into one pipeline
+    if backbone == "interleaved":
+        microbatches *= stages  # Megatron's microbatch groups
     regions = [
         Region("vit", 3, _skeleton(encoder, 1, ranks), trainable=trainable[0]),
-        Region("llm", 4, _skeleton(backbone, stages, ranks), trainable=trainable[1]),
+        Region("llm", 4 * stages, _skeleton(backbone, stages, ranks), trainable=trainable[1]),
     ]
     plan = compose(regions, microbatches, semantics=semantics)
     validate(plan)

@@ -155,7 +155,7 @@ def test_eager_programs_with_early_sends_deadlock_under_blocking_sends():
     validate(eager)  # isend: the transposed ViT may run ahead
     with pytest.raises(ScheduleError, match=r"deadlock under rendezvous semantics: rank \d+ blocked at action #\d+ `SEND_A"):
         validate(eager, semantics="rendezvous")
-    validate(compose(regions, 8, semantics="rendezvous"))  # sends moved until they can meet
+    validate(compose(regions, 8, semantics="rendezvous"))  # transfers in one global order
 
 
 def test_unknown_semantics():

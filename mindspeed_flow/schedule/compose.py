@@ -3,35 +3,47 @@
 Nothing here is written per combination of skeletons.  Placement gives each microbatch its
 path of visits (:mod:`.placement`, using the seam table of :mod:`.seams` for transports and
 for where transposed regions run); the skeletons give each rank its compute order, merged
-where layouts share a rank (:mod:`.order`); this module then wraps every compute action in
-the transfers its path implies: a receive (or pool get) right before it for an input from
-another rank, a send (or pool put) right after it for an output another rank needs.
-Consecutive transfers form one batch, as in Megatron's ``send_forward_recv_backward``.
-Trainable replicated regions also broadcast their parameters at the start of the step and
-reduce their gradients at its end (each replica computes gradients for its own
-microbatches only).
+where layouts share a rank by a nominal list schedule (:mod:`.order`).  Every edge of a path
+that crosses ranks becomes a transfer: a send (or pool put) on the producer's rank and a
+receive (or pool get) on the consumer's, for the activation forward and, when the upstream
+visit has a backward pass, the gradient back.  Consecutive transfers form one batch, as in
+Megatron's ``send_forward_recv_backward``.  Trainable replicated regions also broadcast
+their parameters at the start of the step and reduce their gradients at its end (each
+replica computes gradients for its own microbatches only).
+
+Where a transfer goes in the two programs depends on the runtime's blocking semantics:
+
+- ``eager`` (``isend``): the send right after its producer, the receive right before its
+  consumer, so a rank waits for data only when it needs it;
+- ``rendezvous`` (blocking sends): both ends at the nominal moment the producer finishes,
+  in the slot between computes each rank is in at that moment, all transfers in one global
+  order.  Every rank then meets its transfers in the same global order, and the smallest
+  unfinished transfer can always complete (everything before it on both ranks has), so the
+  programs cannot deadlock, whatever the composition.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from dataclasses import dataclass
 from typing import Sequence
 
-from .actions import COMPUTE, Action, Kind
+from .actions import Action, Kind
 from .errors import ScheduleError
-from .execution import SEMANTICS, execute, explain
-from .order import Duration, merge, streams, unit_duration
-from .pairing import pair
+from .execution import SEMANTICS
+from .order import Duration, Timed, merge, streams, unit_duration
 from .placement import Placement, Visit
 from .plan import Plan
 from .regions import Region, check_cover
 from .seams import POOL
 from .skeletons import SHARDED
 
-_TRANSFERS = {  # (direction, transport) -> (receive kind, send kind)
-    ("act", "p2p"): (Kind.RECV_ACT, Kind.SEND_ACT),
-    ("grad", "p2p"): (Kind.RECV_GRAD, Kind.SEND_GRAD),
-    ("act", POOL): (Kind.POOL_GET, Kind.POOL_PUT),
-    ("grad", POOL): (Kind.POOL_GET, Kind.POOL_PUT),
+_TRANSPORTS = ("p2p", POOL)
+_KINDS = {  # (direction, transport) -> (send kind, receive kind)
+    ("act", "p2p"): (Kind.SEND_ACT, Kind.RECV_ACT),
+    ("grad", "p2p"): (Kind.SEND_GRAD, Kind.RECV_GRAD),
+    ("act", POOL): (Kind.POOL_PUT, Kind.POOL_GET),
+    ("grad", POOL): (Kind.POOL_PUT, Kind.POOL_GET),
 }
 
 
@@ -49,25 +61,21 @@ def compose(
         regions: the model cut into regions, in layer order.
         num_microbatches: microbatches per step.
         num_layers: the model's layer count; the regions must cover it exactly.
-        duration: nominal compute time of an action at a visit, used only to interleave
-            orders that share a rank (default: one unit per layer, backward two).
-        semantics: the runtime's blocking semantics.  ``"eager"`` (sends are ``isend``)
-            keeps every send right after its producer; ``"rendezvous"`` (blocking sends)
-            moves sends whose receiver is not ready yet later until the programs cannot
-            deadlock.
+        duration: nominal compute time of an action at a visit, used to interleave orders
+            that share a rank and to time rendezvous transfers (default: one unit per
+            layer, backward two).
+        semantics: the runtime's blocking semantics, ``"eager"`` or ``"rendezvous"``.
     """
-    if semantics not in SEMANTICS:
-        raise ScheduleError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     if num_microbatches < 1:
         raise ScheduleError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if semantics not in SEMANTICS:
+        raise ScheduleError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     check_cover(regions, num_layers)
     placement = Placement(regions)
     paths = tuple(placement.path(m) for m in range(num_microbatches))
-    compute = merge(streams(placement, num_microbatches), paths, duration or unit_duration)
-    programs = {rank: _with_transfers(order, paths) for rank, order in compute.items()}
+    timeline = merge(streams(placement, num_microbatches), paths, duration or unit_duration)
+    programs = _assemble(timeline, _transfers(timeline, paths), semantics)
     _add_collectives(programs, placement)
-    if semantics == "rendezvous":
-        _defer_early_sends(programs)
     return Plan(
         regions=tuple(regions),
         num_microbatches=num_microbatches,
@@ -78,38 +86,83 @@ def compose(
     )
 
 
-def _with_transfers(order: list[Action], paths: Sequence[Sequence[Visit]]) -> list[Action]:
-    index = {(m, v.region, v.stage): k for m, path in enumerate(paths) for k, v in enumerate(path)}
-    program: list[Action] = []
-    for action in order:
-        m = action.microbatch
-        path = paths[m]
-        k = index[(m, action.region, action.stage)]
-        visit = path[k]
-        if action.kind is Kind.FORWARD:
-            before = [(visit, path[k - 1], "act", path[k - 1])] if k > 0 else []
-            after = [(visit, path[k + 1], "act", visit)] if k + 1 < len(path) else []
+@dataclass(frozen=True)
+class _Transfer:
+    """One tensor crossing ranks: produced by ``producer``, consumed by ``consumer``."""
+
+    send: Action
+    recv: Action
+    sender: int
+    receiver: int
+    producer: Timed
+    consumer: Timed
+
+
+def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]]) -> list[_Transfer]:
+    """Every cross-rank edge of every path, found from its consumer."""
+    where = {
+        (t.action.kind is Kind.FORWARD, t.action.microbatch, t.action.region, t.action.stage): (rank, t)
+        for rank, timed in timeline.items()
+        for t in timed
+    }
+    found = []
+    for rank in sorted(timeline):
+        for consumer in timeline[rank]:
+            a, m = consumer.action, consumer.action.microbatch
+            path = paths[m]
+            k = next(i for i, v in enumerate(path) if (v.region, v.stage) == (a.region, a.stage))
+            forward = a.kind is Kind.FORWARD
+            if forward and k > 0:
+                up, tensor, downstream = path[k - 1], path[k - 1], path[k]
+            elif not forward and k + 1 < len(path):
+                up, tensor, downstream = path[k + 1], path[k], path[k + 1]
+            else:
+                continue
+            if downstream.inbound not in _TRANSPORTS:
+                continue  # same rank: the tensor stays where it is
+            direction = "act" if forward else "grad"
+            send_kind, recv_kind = _KINDS[(direction, downstream.inbound)]
+            key = f"{tensor.tag}:{direction}"
+            sender, producer = where[(forward, m, up.region, up.stage)]
+            found.append(_Transfer(
+                send=Action(send_kind, up.region, up.stage, m, peer=rank, key=key),
+                recv=Action(recv_kind, a.region, a.stage, m, peer=sender, key=key),
+                sender=sender,
+                receiver=rank,
+                producer=producer,
+                consumer=consumer,
+            ))
+    return found
+
+
+def _assemble(
+    timeline: dict[int, list[Timed]], transfers: list[_Transfer], semantics: str
+) -> dict[int, list[Action]]:
+    """Place every transfer's two ends between the computes of their ranks."""
+    slots = {rank: [[] for _ in range(len(timed) + 1)] for rank, timed in timeline.items()}
+    keys = {rank: [(t.start, t.pick) for t in timed] for rank, timed in timeline.items()}
+    index = {(rank, t.pick): i for rank, timed in timeline.items() for i, t in enumerate(timed)}
+    for seq, tr in enumerate(transfers):
+        if semantics == "eager":
+            send_slot = index[(tr.sender, tr.producer.pick)] + 1
+            recv_slot = index[(tr.receiver, tr.consumer.pick)]
+            send_order, recv_order = (0, seq), (1, seq)
         else:
-            before = [(visit, path[k + 1], "grad", visit)] if k + 1 < len(path) else []
-            upstream = k > 0 and path[k - 1].backward
-            after = [(visit, path[k - 1], "grad", path[k - 1])] if upstream else []
-        program += [a for t in before if (a := _transfer(0, m, *t))]
-        program.append(action)
-        program += [a for t in after if (a := _transfer(1, m, *t))]
-    return program
-
-
-def _transfer(
-    side: int, m: int, own: Visit, other: Visit, direction: str, tensor: Visit
-) -> Action | None:
-    """A receive (side 0) or send (side 1) of ``tensor``'s output (or its gradient), or
-    ``None`` when both visits share a rank."""
-    # The downstream visit of the seam records how the tensor reaches it.
-    downstream = own if (direction == "act") == (side == 0) else other
-    if downstream.inbound in ("start", "local"):
-        return None
-    kind = _TRANSFERS[(direction, downstream.inbound)][side]
-    return Action(kind, own.region, own.stage, m, peer=other.rank, key=f"{tensor.tag}:{direction}")
+            moment = (tr.producer.end, tr.producer.pick + 0.5)
+            send_slot = bisect_left(keys[tr.sender], moment)
+            recv_slot = bisect_left(keys[tr.receiver], moment)
+            send_order = recv_order = (moment, seq)
+        slots[tr.sender][send_slot].append((send_order, tr.send))
+        slots[tr.receiver][recv_slot].append((recv_order, tr.recv))
+    programs = {}
+    for rank, timed in timeline.items():
+        program: list[Action] = []
+        for i, slot in enumerate(slots[rank]):
+            program += [action for _, action in sorted(slot, key=lambda item: item[0])]
+            if i < len(timed):
+                program.append(timed[i].action)
+        programs[rank] = program
+    return programs
 
 
 def _add_collectives(programs: dict[int, list[Action]], placement: Placement) -> None:
@@ -122,32 +175,3 @@ def _add_collectives(programs: dict[int, list[Action]], placement: Placement) ->
             for rank in group.ranks:
                 programs[rank].insert(0, Action(Kind.PARAM_BROADCAST, region.name, group=group.ranks))
                 programs[rank].append(Action(Kind.GRAD_REDUCE, region.name, group=group.ranks))
-
-
-def _defer_early_sends(programs: dict[int, list[Action]]) -> None:
-    """Make the programs safe under rendezvous semantics.
-
-    A send placed right after its producer may reach a receiver that posts the receive only
-    much later (a transposed ViT runs ahead of the LLM stage that consumes its output);
-    under blocking sends two such ranks can wait for each other.  Symbolic execution finds
-    the stuck sends; each moves past the next compute of its rank, into the following
-    batch, until every program runs to its end.  Sends only move later, so data flow holds.
-    """
-    while True:
-        outcome = execute(programs, pair(programs), "rendezvous")
-        if outcome.finished:
-            return
-        stuck = sorted(
-            {op for ops in outcome.blocked.values() for op, _ in ops
-             if programs[op[0]][op[1]].kind in (Kind.SEND_ACT, Kind.SEND_GRAD)},
-            reverse=True,
-        )
-        if not stuck:
-            raise ScheduleError(explain(programs, outcome, "rendezvous"))
-        for rank, i in stuck:
-            program = programs[rank]
-            send = program.pop(i)
-            j = i
-            while j < len(program) and program[j].kind not in COMPUTE and program[j].group == ():
-                j += 1
-            program.insert(min(j + 1, len(program)), send)

@@ -10,12 +10,12 @@ critical path).  Each order stays as its skeleton wrote it; only the interleavin
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from .actions import Action, Kind
 from .errors import ScheduleError
 from .placement import Placement, Visit
-from .skeletons import SHARDED, Step, replicated_order
+from .skeletons import SHARDED, replicated_orders
 
 # Nominal seconds of one compute action at one visit.
 Duration = Callable[[Action, Visit], float]
@@ -29,33 +29,35 @@ def unit_duration(action: Action, visit: Visit) -> float:
 
 
 def streams(placement: Placement, num_microbatches: int) -> dict[int, list[list[Action]]]:
-    """Per rank, the compute orders (one per group running on it) the skeletons prescribe."""
+    """Per rank, the compute orders the skeletons prescribe for the groups running on it."""
     result: dict[int, list[list[Action]]] = {r: [] for r in range(placement.num_ranks)}
     for group in placement.groups:
-        if group.layout == SHARDED:
-            n = len(group.ranks)
-            for p, rank in enumerate(group.ranks):
-                steps = group.skeleton.order(p, n, num_microbatches)
-                result[rank].append(
-                    [a for s in steps for a in _expand(s, s[1] * n + p, group.slices[s[1] * n + p],
-                                                       placement.backward)]
-                )
-        else:
-            slices = tuple((r.name, r.num_layers) for r in group.regions)
-            for i, rank in enumerate(group.ranks):
-                owned = list(range(i, num_microbatches, len(group.ranks)))
-                result[rank].append(
-                    [a for s in replicated_order(owned) for a in _expand(s, 0, slices,
-                                                                         placement.backward)]
-                )
+        n = len(group.ranks)
+        for p, rank in enumerate(group.ranks):
+            if group.layout == SHARDED:
+                orders = [group.skeleton.order(p, n, num_microbatches)]
+                slices = [group.slices[c * n + p] for c in range(group.skeleton.chunks)]
+            else:
+                orders = replicated_orders(list(range(p, num_microbatches, n)))
+                slices = [tuple((r.name, r.num_layers) for r in group.regions)]
+            for steps in orders:
+                result[rank].append([
+                    action
+                    for phase, chunk, m in steps
+                    for action in _expand(phase, m, slices[chunk], placement.backward,
+                                          stage=chunk * n + p if group.layout == SHARDED else 0)
+                ])
     return result
 
 
 def _expand(
-    step: Step, stage: int, slices: Sequence[tuple[str, int]], backward: dict[str, str | None]
+    phase: str,
+    microbatch: int,
+    slices: Sequence[tuple[str, int]],
+    backward: dict[str, str | None],
+    stage: int,
 ) -> list[Action]:
     """A step on a (virtual) stage becomes one action per region slice held there."""
-    phase, _, microbatch = step
     if phase == "F":
         return [Action(Kind.FORWARD, name, stage, microbatch) for name, _ in slices]
     return [
@@ -65,18 +67,28 @@ def _expand(
     ]
 
 
+class Timed(NamedTuple):
+    """A compute action in the nominal list schedule: when it ran and in which pick."""
+
+    action: Action
+    start: float
+    end: float
+    pick: int  # position in the global sequence of picks (non-decreasing start times)
+
+
 def merge(
     rank_streams: dict[int, list[list[Action]]],
     paths: Sequence[Sequence[Visit]],
     duration: Duration = unit_duration,
-) -> dict[int, list[Action]]:
-    """Interleave each rank's orders by a list schedule over nominal durations."""
+) -> dict[int, list[Timed]]:
+    """Interleave each rank's orders by a list schedule over nominal durations; returns
+    every rank's compute order with its nominal times."""
     index = {(m, v.region, v.stage): k for m, path in enumerate(paths) for k, v in enumerate(path)}
     finish: dict[tuple[str, int, int], float] = {}
     free = {rank: 0.0 for rank in rank_streams}
     heads = {rank: [0] * len(s) for rank, s in rank_streams.items()}
-    order: dict[int, list[Action]] = {rank: [] for rank in rank_streams}
-    remaining = sum(len(s) for ss in rank_streams.values() for s in ss)
+    order: dict[int, list[Timed]] = {rank: [] for rank in rank_streams}
+    total = remaining = sum(len(s) for ss in rank_streams.values() for s in ss)
 
     def node(action: Action) -> tuple[str, int, int]:
         phase = "F" if action.kind is Kind.FORWARD else "B"
@@ -108,7 +120,7 @@ def merge(
         _, rank, s, action, start = best
         _, m, k = node(action)
         finish[node(action)] = free[rank] = start + duration(action, paths[m][k])
-        order[rank].append(action)
+        order[rank].append(Timed(action, start, free[rank], total - remaining))
         heads[rank][s] += 1
         remaining -= 1
     return order

@@ -157,8 +157,9 @@ def format_table(title: str, rows: list[Row]) -> str:
     lines = [title, header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.name:<20} {r.layout:<10} {r.ranks:>5} {r.devices:>4} {r.step:>8.2f} {r.bubble:>7.1%} "
-            f"{r.util_min:>6.0%}-{r.util_max:<6.0%} {r.peak_gib:>12.1f} {r.throughput:>8.1f} {r.speedup:>7.2f}x"
+            f"{r.name:<20} {r.layout:<10} {r.ranks:>5} {r.devices:>4} {r.step:>8.2f} "
+            f"{r.bubble:>7.1%} {r.util_min:>6.0%}-{r.util_max:<6.0%} {r.peak_gib:>12.1f} "
+            f"{r.throughput:>8.1f} {r.speedup:>7.2f}x"
         )
     return "\n".join(lines)
 

@@ -5,9 +5,9 @@ validator proves deadlock-free): a compute takes its cost; a batch of transfers 
 at once and ends when its last operation ends.  A transfer takes the link time of its bytes,
 starting when the send is posted (eager: the sender goes on at once) or when both ends are
 posted (rendezvous: the sender waits for the transfer too).  A pool put is local (the pool
-holds the tensor) and the get pulls it; a collective starts when its last member arrives.  Event times follow from these rules
-alone, so the replay needs no global clock queue: ranks advance while their next event's
-inputs are known.
+holds the tensor) and the get pulls it; a collective starts when its last member arrives.
+Event times follow from these rules alone, so the replay needs no global event queue:
+ranks advance while the times their next step depends on are known.
 """
 
 from __future__ import annotations

@@ -95,11 +95,26 @@ class Interleaved1F1B(_Sharded):
 
     chunks_per_rank: int = 2
 
+    def __post_init__(self) -> None:
+        if self.chunks_per_rank < 2:
+            raise ScheduleError(
+                f"Interleaved1F1B: chunks_per_rank must be >= 2, got {self.chunks_per_rank} "
+                "(one chunk per rank is OneFOneB)"
+            )
+        super().__post_init__()
+
     @property
     def chunks(self) -> int:
         return self.chunks_per_rank
 
     def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[Step]:
+        if num_microbatches % num_stages:
+            # Megatron refuses these too: a short last group leaves dependency bubbles
+            # that its fixed order cannot wait out.
+            raise ScheduleError(
+                f"Interleaved1F1B: {num_microbatches} microbatches is not a multiple of "
+                f"{num_stages} stages (Megatron's microbatch group size)"
+            )
         table = _interleaved_table(num_microbatches, self.chunks, num_stages)
         total = len(table)
         warmup = (num_stages - stage - 1) * 2 + (self.chunks - 1) * num_stages
@@ -150,6 +165,11 @@ class Decoupled:
 Skeleton = Union[OneFOneB, GPipe, Interleaved1F1B, Transpose, Decoupled]
 
 
-def replicated_order(owned: list[int]) -> list[Step]:
-    """A replicated rank's own order: forwards of its microbatches, then their backwards."""
-    return [("F", 0, m) for m in owned] + [("B", 0, m) for m in owned]
+def replicated_orders(owned: list[int]) -> list[list[Step]]:
+    """A replicated rank's orders: its microbatches' forwards, and their backwards.
+
+    They are two orders, not one: whether a backward should wait for later forwards (an
+    encoder feeding a pipeline) or follow its forward at once (a head after it) depends on
+    the neighbours, so :mod:`.order` interleaves them by readiness.
+    """
+    return [[("F", 0, m) for m in owned], [("B", 0, m) for m in owned]]

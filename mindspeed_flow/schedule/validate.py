@@ -24,7 +24,7 @@ eager as well.  :func:`.compose` makes programs for either.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from .actions import BACKWARDS, COLLECTIVES, COMPUTE, RECVS, SENDS, Action, Kind
 from .errors import ScheduleError
@@ -60,7 +60,8 @@ def _check_actions(plan: Plan) -> None:
             if a.kind in COLLECTIVES:
                 continue
             if a.microbatch is None or not 0 <= a.microbatch < plan.num_microbatches:
-                raise ScheduleError(f"{where}: microbatch {a.microbatch} is not in 0..{plan.num_microbatches - 1}")
+                last = plan.num_microbatches - 1
+                raise ScheduleError(f"{where}: microbatch {a.microbatch} is not in 0..{last}")
             found = plan.visits.get((a.microbatch, a.region, a.stage))
             if found is None:
                 raise ScheduleError(f"{where}: region {a.region!r} has no stage {a.stage}")
