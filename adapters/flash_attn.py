@@ -13,13 +13,18 @@ Without flash-attn, CUDA tensors fall back to SDPA per segment.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+import re
 from typing import Any, Optional
 
 import torch
 
 from mindspeed_flow.attention.backends import VarlenBackend, register_backend
 from mindspeed_flow.attention.segments import Window, lengths
+
+# ``window_size`` (sliding windows) and bottom-right causal alignment came with 2.3 / 2.1.
+MIN_FLASH_ATTN = (2, 3)
 
 
 def flash_varlen_args(
@@ -50,6 +55,10 @@ def missing() -> Optional[str]:
     """Why the flash-attn kernel cannot run here, or None."""
     if importlib.util.find_spec("flash_attn") is None:
         return "flash-attn is not installed"
+    version = importlib.metadata.version("flash-attn")
+    release = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if release < MIN_FLASH_ATTN:
+        return f"flash-attn {version} is older than {'.'.join(map(str, MIN_FLASH_ATTN))} (no window_size)"
     if not torch.cuda.is_available():
         return "no CUDA device"
     return None

@@ -5,18 +5,16 @@ patches that put these in place of upstream code are in ``mindspeed_flow.patches
 upstream-facing wrappers and the device kernels in ``mindspeed_flow.adapters``.
 """
 
-from .backends import VarlenBackend, register_backend, registered_backends, select_backend
-from .segments import actual_seq_lens, cu_seqlens_from_position_ids, normalize_window, offsets
+from .backends import VarlenBackend, register_backend, select_backend
+from .segments import actual_seq_lens, normalize_window, offsets
 from .varlen import varlen_attention
 
 __all__ = [
     "VarlenBackend",
     "actual_seq_lens",
-    "cu_seqlens_from_position_ids",
     "normalize_window",
     "offsets",
     "register_backend",
-    "registered_backends",
     "select_backend",
     "varlen_attention",
 ]

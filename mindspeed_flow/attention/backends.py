@@ -50,10 +50,6 @@ def register_backend(backend: VarlenBackend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def registered_backends() -> dict[str, VarlenBackend]:
-    return dict(_BACKENDS)
-
-
 def select_backend(device_type: str, name: Optional[str] = None) -> VarlenBackend:
     """The backend for tensors on ``device_type``, or the one called ``name``.
 

@@ -79,28 +79,3 @@ def normalize_window(window: Window | None, causal: bool) -> Window:
     if causal:
         right = 0 if right == -1 else min(right, 0)
     return left, right
-
-
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Offsets ``[0, ..., T]`` (int32) of a pack whose positions restart at 0 per segment.
-
-    Packing loaders restart ``position_ids`` at every sample; a 3-row M-RoPE tensor
-    ``[3, 1, T]`` is read on its first (temporal) row.  Only a batch of one pack is
-    accepted, since THD attention has no batch dimension.
-    """
-    pos = position_ids
-    if pos.dim() == 3:
-        pos = pos[0]
-    if pos.dim() == 2:
-        if pos.shape[0] != 1:
-            raise ValueError(
-                f"a packed batch must hold one pack (batch size 1), got position_ids {tuple(position_ids.shape)}"
-            )
-        pos = pos[0]
-    if pos.dim() != 1:
-        raise ValueError(f"cannot read segments from position_ids of shape {tuple(position_ids.shape)}")
-    starts = torch.nonzero(pos == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError("position_ids of a pack must start at 0")
-    total = torch.tensor([pos.numel()], device=pos.device)
-    return torch.cat([starts, total]).to(torch.int32)
