@@ -206,3 +206,11 @@ def test_cli_refusals(tmp_path, capsys):
     assert "--trust-checkpoint" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         run_cli("convert-patch-embed", str(src), str(tmp_path / "o.pt"), "--to", "conv", "--in-and-kernel", "3,x")
+
+
+def test_reachable_from_the_mindspeed_flow_command(tmp_path):
+    from mindspeed_flow.cli import main
+
+    src = tmp_path / "ckpt.pt"
+    torch.save(megatron_like_checkpoint(), src)
+    assert main(["convert-patch-embed", str(src), str(tmp_path / "flat.pt"), "--to", "matmul"]) == 0

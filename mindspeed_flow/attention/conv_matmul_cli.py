@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import pickle
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -67,8 +67,12 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def convert_command(args: argparse.Namespace) -> int:
-    """Run the conversion; returns the process exit code (messages go to stdout/stderr)."""
+def convert_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """Run the conversion; returns the process exit code (messages go to stdout).
+
+    ``argv`` is part of the ``mindspeed-flow`` subcommand contract (``func(args, argv)``);
+    everything this command needs is already parsed into ``args``.
+    """
     if args.to == "conv" and args.in_and_kernel is None:
         print("convert-patch-embed: --to conv needs --in-and-kernel (e.g. 3,2,14,14)")
         return 2
