@@ -85,6 +85,13 @@ def test_bad_configs_fail_with_the_fault_named(tmp_path, capsys, change, message
     assert message in capsys.readouterr().err
 
 
+def test_the_mindspeed_flow_command_runs_simulate(tmp_path, capsys):
+    from mindspeed_flow.cli import main
+
+    assert main(["simulate", str(write(tmp_path, SMALL)), "--no-charts", "--seeds", "1"]) == 0
+    assert "transpose" in capsys.readouterr().out
+
+
 def test_missing_config_file(tmp_path, capsys):
     assert run_cli(["simulate", str(tmp_path / "nope.yaml")]) == 1
     assert "nope.yaml" in capsys.readouterr().err

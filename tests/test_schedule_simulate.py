@@ -135,3 +135,17 @@ def test_gantt_draws_one_row_per_rank(tmp_path):
     lines = result.summary().splitlines()
     assert lines[0].startswith("step ") and len(lines) == 1 + len(plan.programs)
     assert "r1 vit(transposed) + llm.s1" in lines[2]
+
+
+def test_packing_cost_model_drives_microbatch_times():
+    from mindspeed_flow.packing.cost_model import CostModel
+
+    model = CostModel(linear=1e-4, quadratic=1e-8)
+    packs = [[8192], [256] * 32, [4096, 4096], [1024] * 8]
+    pack_costs = [model.cost(p) for p in packs]
+    costs = CostTable({"llm": RegionCost(forward=1.0)}, microbatch_scale=pack_scale({"llm": pack_costs}))
+    result = simulate(compose([Region("llm", 2, OneFOneB(stages=1))], len(packs)), costs)
+    forwards = [iv.end - iv.start for iv in result.intervals if iv.action.kind is Kind.FORWARD]
+    mean = sum(pack_costs) / len(pack_costs)
+    assert forwards == pytest.approx([c / mean for c in pack_costs])
+    assert forwards[0] > forwards[1]  # same tokens, one long segment: more attention

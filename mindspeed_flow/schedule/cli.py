@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 
@@ -34,7 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=simulate_command)
 
 
-def simulate_command(args: argparse.Namespace) -> int:
+def simulate_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """Run the subcommand; ``argv`` (the raw arguments, passed by the top-level CLI) is not
+    needed here."""
     for path in args.configs:
         try:
             config = load(path)
