@@ -149,3 +149,25 @@ def test_packing_cost_model_drives_microbatch_times():
     mean = sum(pack_costs) / len(pack_costs)
     assert forwards == pytest.approx([c / mean for c in pack_costs])
     assert forwards[0] > forwards[1]  # same tokens, one long segment: more attention
+
+
+def test_max_in_flight_bounds_a_producers_activation_memory():
+    costs = CostTable({"vit": RegionCost(forward=0.5, stored_bytes=1.0), "llm": RegionCost(forward=4.0)})
+
+    def producer_peak(window):
+        vit = Region("vit", 2, Decoupled(ranks=1, max_in_flight=window))
+        plan = compose([vit, Region("llm", 4, OneFOneB(stages=2))], 8)
+        return simulate(plan, costs).peak_live[0]
+
+    assert producer_peak(None) == 8  # runs ahead through every microbatch
+    assert producer_peak(3) == 3
+
+
+def test_too_small_a_window_cannot_be_ordered():
+    from mindspeed_flow.schedule import ScheduleError
+
+    # with one producer rank, mb1's forward would wait for mb0's backward, which needs the
+    # 1F1B stage 0 to have run mb1's forward first
+    vit = Region("vit", 2, Decoupled(ranks=1, max_in_flight=1))
+    with pytest.raises(ScheduleError, match="skeleton orders cannot be merged: rank 0 waits at F      vit.s0 mb1"):
+        compose([vit, Region("llm", 4, OneFOneB(stages=2))], 4)

@@ -28,26 +28,40 @@ def unit_duration(action: Action, visit: Visit) -> float:
     return _UNIT[action.kind] * visit.layers
 
 
-def streams(placement: Placement, num_microbatches: int) -> dict[int, list[list[Action]]]:
+class Streams(NamedTuple):
+    """orders: per rank, the compute orders of the groups on it; waits: extra inputs of an
+    action beyond its data (a replicated forward waiting for an earlier backward)."""
+
+    orders: dict[int, list[list[Action]]]
+    waits: dict[Action, Action]
+
+
+def streams(placement: Placement, num_microbatches: int) -> Streams:
     """Per rank, the compute orders the skeletons prescribe for the groups running on it."""
-    result: dict[int, list[list[Action]]] = {r: [] for r in range(placement.num_ranks)}
+    orders: dict[int, list[list[Action]]] = {r: [] for r in range(placement.num_ranks)}
+    waits: dict[Action, Action] = {}
     for group in placement.groups:
         n = len(group.ranks)
+        sharded = group.layout == SHARDED
         for p, rank in enumerate(group.ranks):
-            if group.layout == SHARDED:
-                orders = [group.skeleton.order(p, n, num_microbatches)]
+            if sharded:
+                steps = [group.skeleton.order(p, n, num_microbatches)]
                 slices = [group.slices[c * n + p] for c in range(group.skeleton.chunks)]
             else:
-                orders = replicated_orders(list(range(p, num_microbatches, n)))
+                steps = replicated_orders(list(range(p, num_microbatches, n)))
                 slices = [tuple((r.name, r.num_layers) for r in group.regions)]
-            for steps in orders:
-                result[rank].append([
-                    action
-                    for phase, chunk, m in steps
-                    for action in _expand(phase, m, slices[chunk], placement.backward,
-                                          stage=chunk * n + p if group.layout == SHARDED else 0)
-                ])
-    return result
+            expanded = [
+                [_expand(phase, m, slices[chunk], placement.backward, chunk * n + p if sharded else 0)
+                 for phase, chunk, m in order]
+                for order in steps
+            ]
+            orders[rank] += [[a for step in order for a in step] for order in expanded]
+            window = None if sharded else group.skeleton.max_in_flight
+            if window and expanded[1] and expanded[1][0]:  # bounded, and it has a backward
+                forwards, backwards = expanded
+                for k in range(window, len(forwards)):
+                    waits[forwards[k][0]] = backwards[k - window][-1]
+    return Streams(orders, waits)
 
 
 def _expand(
@@ -77,12 +91,13 @@ class Timed(NamedTuple):
 
 
 def merge(
-    rank_streams: dict[int, list[list[Action]]],
+    plan_streams: Streams,
     paths: Sequence[Sequence[Visit]],
     duration: Duration = unit_duration,
 ) -> dict[int, list[Timed]]:
     """Interleave each rank's orders by a list schedule over nominal durations; returns
     every rank's compute order with its nominal times."""
+    rank_streams, waits = plan_streams
     index = {(m, v.region, v.stage): k for m, path in enumerate(paths) for k, v in enumerate(path)}
     finish: dict[tuple[str, int, int], float] = {}
     free = {rank: 0.0 for rank in rank_streams}
@@ -96,10 +111,11 @@ def merge(
 
     def inputs(action: Action) -> list[tuple[str, int, int]]:
         phase, m, k = node(action)
+        extra = [node(waits[action])] if action in waits else []
         if phase == "F":
-            return [("F", m, k - 1)] if k > 0 else []
+            return extra + ([("F", m, k - 1)] if k > 0 else [])
         after = [("B", m, k + 1)] if k + 1 < len(paths[m]) and paths[m][k + 1].backward else []
-        return [("F", m, k)] + after
+        return [("F", m, k)] + after + extra
 
     while remaining:
         best = None

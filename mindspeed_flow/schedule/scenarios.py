@@ -10,6 +10,9 @@ budget and several schedules, each one of four layouts built from the algebra:
 ``transpose``  Mpipe's ``<transpose, 1f1b>``: the ViT replicated over the LLM's stages;
 ``decoupled``  FlowTrain's producer on ``encoder_ranks`` ranks of its own, through the pool.
 
+``transpose`` and ``decoupled`` take ``encoder_in_flight``: the most microbatches whose
+ViT activations one rank holds (see ``max_in_flight`` of the replicated skeletons).
+
 Every schedule is simulated for ``seeds`` steps (encoder jitter and pack costs differ per
 step) and compared per device: a simulated rank is a group of ``devices_per_rank`` devices
 (the TP group; encoder-only ranks may be smaller), one simulated pipeline is one data
@@ -73,9 +76,11 @@ def build_regions(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> lis
     elif layout == "disttrain":
         vit_skeleton = OneFOneB(stages=schedule.get("encoder_stages", 1))
     elif layout == "transpose":
-        vit_skeleton = Transpose()
+        vit_skeleton = Transpose(max_in_flight=schedule.get("encoder_in_flight"))
     elif layout == "decoupled":
-        vit_skeleton = Decoupled(ranks=schedule.get("encoder_ranks", 1))
+        vit_skeleton = Decoupled(
+            max_in_flight=schedule.get("encoder_in_flight"), ranks=schedule.get("encoder_ranks", 1)
+        )
     else:
         raise ScheduleError(f"schedule {schedule.get('name')!r}: layout {layout!r} is not one of {LAYOUTS}")
     return [

@@ -142,7 +142,27 @@ def _interleaved_table(num_microbatches: int, chunks: int, group: int) -> list[t
 
 
 @dataclass(frozen=True)
-class Transpose:
+class _Replicated:
+    """Common part of the microbatch-replicated skeletons.
+
+    Attributes:
+        max_in_flight: when the region has a backward pass, a rank starts the forward of
+            its k-th microbatch only after the backward of its (k - max_in_flight)-th, so it
+            never holds more than that many microbatches' activations (FlowTrain's bounded
+            pool; ``None``: unbounded, the producer runs as far ahead as it can).
+    """
+
+    max_in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ScheduleError(
+                f"{type(self).__name__}: max_in_flight must be >= 1, got {self.max_in_flight}"
+            )
+
+
+@dataclass(frozen=True)
+class Transpose(_Replicated):
     """Mpipe's replicated layout: microbatch ``m`` runs the whole region on one rank of the
     neighbouring sharded pipeline (round robin), in the bubbles of that pipeline."""
 
@@ -150,7 +170,7 @@ class Transpose:
 
 
 @dataclass(frozen=True)
-class Decoupled:
+class Decoupled(_Replicated):
     """FlowTrain's producer: the region runs on ``ranks`` ranks of its own, microbatch ``m``
     on rank ``m % ranks``, and hands its output to the next region through the pool."""
 
@@ -158,6 +178,7 @@ class Decoupled:
     layout: ClassVar[str] = DECOUPLED
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.ranks < 1:
             raise ScheduleError(f"Decoupled: ranks must be >= 1, got {self.ranks}")
 
