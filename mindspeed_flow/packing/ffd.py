@@ -3,15 +3,20 @@
 :func:`~mindspeed_flow.packing.pack` runs this next to best-fit decreasing because
 neither dominates the other: for capacity 25 and lengths
 ``[24, 20, 18, 17, 11, 9, 7, 5, 4, 4, 3, 2]`` BFD needs 6 bins and FFD 5, while on other
-inputs BFD wins.  Equal lengths are placed as a run: scanning bins in index order, each
-bin with room ``r >= l`` takes ``r // l`` items, which is what the item-by-item loop does.
-One pass per distinct length costs O(open bins) numpy work; bins that cannot take even
-the shortest item are dropped from the scan as it goes.
+inputs BFD wins.
+
+Equal lengths are placed as a run: scanning bins in index order, each bin with room
+``r >= l`` takes ``r // l`` items, which is exactly what the item-by-item loop does.  The
+scan is two-level: bins sit in blocks of 1024 with the largest room of each block kept
+up to date, so a run looks only inside blocks that can take its length, in block order,
+and stops as soon as the run is placed.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+BLOCK = 1024
 
 
 def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -25,34 +30,35 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray
     sorted_lengths = lengths[order]
     starts = np.flatnonzero(np.diff(sorted_lengths, prepend=-1))
     counts = np.diff(np.append(starts, n))
-    shortest = int(sorted_lengths[-1])
 
-    ids = np.zeros(0, np.int64)  # open bins in index order ...
-    room = np.zeros(0, np.int64)  # ... and their remaining space
+    blocks = -(-n // BLOCK)  # never more bins than items
+    room = np.full(blocks * BLOCK, -1, dtype=np.int64)  # -1: bin not opened yet
+    block_room = np.full(blocks, -1, dtype=np.int64)  # largest room in each block
     assigned: list[np.ndarray] = []
-    next_bin = 0
-    for run, (length, count) in enumerate(zip(sorted_lengths[starts].tolist(), counts.tolist())):
-        fitting = np.flatnonzero(room >= length)
-        if len(fitting):
-            per_bin = room[fitting] // length
+    opened = 0
+    for length, count in zip(sorted_lengths[starts].tolist(), counts.tolist()):
+        for block in np.flatnonzero(block_room[: -(-opened // BLOCK)] >= length).tolist():
+            segment = room[block * BLOCK : (block + 1) * BLOCK]
+            fitting = np.flatnonzero(segment >= length)
+            per_bin = segment[fitting] // length
             reach = np.cumsum(per_bin)
-            used = int(np.searchsorted(reach, count))  # the bin where the run ends, if any
+            used = int(np.searchsorted(reach, count))  # the bin where the run ends, if here
             if used < len(fitting):
                 fitting, per_bin = fitting[: used + 1], per_bin[: used + 1]
                 per_bin[-1] -= int(reach[used]) - count
-            assigned.append(np.repeat(ids[fitting], per_bin))
-            room[fitting] -= per_bin * length
+            assigned.append(np.repeat(fitting + block * BLOCK, per_bin))
+            segment[fitting] -= per_bin * length
+            block_room[block] = segment.max()
             count -= int(per_bin.sum())
-        if count:  # no open bin has room left: open new ones at the end of the scan order
+            if not count:
+                break
+        if count:  # nothing open has room: open new bins after the last one
             per_bin = capacity // length
-            opened = -(-count // per_bin)
-            new = np.arange(next_bin, next_bin + opened, dtype=np.int64)
-            next_bin += opened
-            assigned.append(np.repeat(new, per_bin)[:count])
-            new_room = np.full(opened, capacity - per_bin * length, dtype=np.int64)
-            new_room[-1] = capacity - (count - (opened - 1) * per_bin) * length
-            ids, room = np.concatenate([ids, new]), np.concatenate([room, new_room])
-        if run % 64 == 63:
-            alive = room >= shortest
-            ids, room = ids[alive], room[alive]
+            new = -(-count // per_bin)
+            assigned.append(np.repeat(np.arange(opened, opened + new, dtype=np.int64), per_bin)[:count])
+            room[opened : opened + new] = capacity - per_bin * length
+            room[opened + new - 1] = capacity - (count - (new - 1) * per_bin) * length
+            first, last = opened // BLOCK, -(-(opened + new) // BLOCK)
+            block_room[first:last] = room[first * BLOCK : last * BLOCK].reshape(-1, BLOCK).max(axis=1)
+            opened += new
     return order, np.concatenate(assigned)
