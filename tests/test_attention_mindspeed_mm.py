@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
