@@ -166,12 +166,12 @@ def _assemble(
 
 
 def _add_collectives(programs: dict[int, list[Action]], placement: Placement) -> None:
+    """Replicas of a trainable region start from the same parameters and end with the sum of
+    their gradients: a broadcast first and a reduce last on every member, in one order."""
     for group in placement.groups:
         if group.layout == SHARDED or len(group.ranks) < 2:
             continue
-        for region in group.regions:
-            if not region.trainable:
-                continue
-            for rank in group.ranks:
-                programs[rank].insert(0, Action(Kind.PARAM_BROADCAST, region.name, group=group.ranks))
-                programs[rank].append(Action(Kind.GRAD_REDUCE, region.name, group=group.ranks))
+        trainable = [region.name for region in group.regions if region.trainable]
+        for rank in group.ranks:
+            programs[rank][:0] = [Action(Kind.PARAM_BROADCAST, n, group=group.ranks) for n in trainable]
+            programs[rank] += [Action(Kind.GRAD_REDUCE, n, group=group.ranks) for n in trainable]

@@ -1,7 +1,7 @@
 """Per-rank compute order: each skeleton's own order, merged where layouts share a rank.
 
-A sharded stage follows its skeleton's closed-form order; a replicated rank runs its
-microbatches' forwards, then their backwards.  Where two orders meet on one rank (a
+A sharded stage follows its skeleton's closed-form order; a replicated rank has two orders,
+its microbatches' forwards and their backwards.  Where several orders meet on one rank (a
 transposed ViT on the ranks of the LLM pipeline) they are merged by a list schedule over
 nominal durations: every rank starts, among the next steps of its orders whose inputs are
 done, the one that can start first (ties: the visit nearer the loss, which is on the
@@ -57,7 +57,8 @@ def streams(placement: Placement, num_microbatches: int) -> Streams:
             ]
             orders[rank] += [[a for step in order for a in step] for order in expanded]
             window = None if sharded else group.skeleton.max_in_flight
-            if window and expanded[1] and expanded[1][0]:  # bounded, and it has a backward
+            has_backward = not sharded and any(step for step in expanded[1])
+            if window and has_backward:
                 forwards, backwards = expanded
                 for k in range(window, len(forwards)):
                     waits[forwards[k][0]] = backwards[k - window][-1]

@@ -109,7 +109,8 @@ def simulate(plan: Plan, costs: CostTable) -> SimResult:
         if other not in posted:
             return None
         receive = other if sending else ref
-        start = max(posted[ref], posted[other]) if rendezvous else posted[other]
+        together = rendezvous or action.kind is Kind.POOL_GET  # a pool get pulls when asked
+        start = max(posted[ref], posted[other]) if together else posted[other]
         return start + costs.transfer_seconds(programs[receive[0]][receive[1]])
 
     progress = True
@@ -156,7 +157,16 @@ def simulate(plan: Plan, costs: CostTable) -> SimResult:
     )
 
 
-def _compute(plan, costs, rank, action, clock, intervals, live) -> None:
+def _compute(
+    plan: Plan,
+    costs: CostTable,
+    rank: int,
+    action: Action,
+    clock: dict[int, float],
+    intervals: dict[int, list[Interval]],
+    live: dict[int, list],
+) -> None:
+    """Run one compute on ``rank``: advance its clock, record it, track held activations."""
     _, visit = plan.visits[(action.microbatch, action.region, action.stage)]
     start = clock[rank]
     clock[rank] = start + costs.compute_seconds(action, visit)
