@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 from typing import Any, Callable
 
+from mindspeed_flow.activation import current_registry, enable_features
 from mindspeed_flow.config import FlowConfig, add_flow_arguments
+
+log = logging.getLogger(__name__)
 
 FEATURE_NAME = "use-flowtrain"
 
@@ -39,8 +43,6 @@ def flowtrain_feature_class() -> type:
             FlowConfig.from_namespace(args)
 
         def register_patches(self, patch_manager: Any, args: argparse.Namespace) -> None:
-            from mindspeed_flow.activation import enable_features
-
             enable_features(FlowConfig.from_namespace(args).features)
 
     return FlowTrainFeature
@@ -57,3 +59,17 @@ def set_features_list_wrapper(wrapped: Callable, instance: Any, args: tuple, kwa
     if not any(isinstance(f, feature_class) for f in features):
         features.append(feature_class())
     return wrapped(features)
+
+
+def apply_patches_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``MindSpeedPatchesManager.apply_patches()``, then re-apply what it replaced of ours.
+
+    MindSpeed (and MindSpeed-MM, through the same manager) sets patched attributes
+    directly; a MindSpeed replacement of a target we had wrapped would drop our wrapper.
+    """
+    result = wrapped(*args, **kwargs)
+    registry = current_registry()
+    if registry is not None:
+        for target in registry.refresh():
+            log.info("mindspeed-flow: re-applied %s over MindSpeed's patch", target)
+    return result

@@ -34,4 +34,13 @@ PATCHES = [
         optional=True,
         description="add mindspeed-flow to MindSpeed's feature list (MindSpeed is optional)",
     ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed.patch_utils:MindSpeedPatchesManager.apply_patches",
+        wrapper=mindspeed.apply_patches_wrapper,
+        params="",
+        checked=("MindSpeed 028de58",),
+        optional=True,
+        description="re-apply our patches that MindSpeed's (or MindSpeed-MM's) patch manager replaced",
+    ),
 ]

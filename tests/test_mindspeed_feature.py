@@ -5,7 +5,9 @@ every feature (and so ``torch_npu``) in its ``__init__``.  With ``MINDSPEED_SRC`
 a MindSpeed checkout, the test loads the two real modules that matter
 (``features_manager/feature.py`` and ``features_manager/features_manager.py``) from that
 checkout, with the package's ``__init__`` skipped, then lets the registry apply our
-``set_features_list`` patch and drives MindSpeed's manager the way MindSpeed does.
+``set_features_list`` patch and drives MindSpeed's manager the way MindSpeed does.  Then
+MindSpeed's real ``MindSpeedPatchesManager`` (``mindspeed/patch_utils.py``) replaces a target
+we had wrapped, and our wrapper must end up on top again.
 """
 
 from __future__ import annotations
@@ -44,6 +46,17 @@ Manager.validate_features_args(args)
 enabled_before = sorted(registry.enabled)
 Manager.apply_features_patches(args)    # MindSpeed tells each feature to register its patches
 feature = Manager.FEATURES_LIST[0]
+
+# MindSpeed's own patch manager replaces a target we wrapped (fused_attn's attention forward).
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from mindspeed.patch_utils import MindSpeedPatchesManager
+def mindspeed_forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                      packed_seq_params=None):
+    raise NotImplementedError("stand-in for MindSpeed's NPU flash-attention forward (same signature)")
+ours_before = DotProductAttention.forward
+MindSpeedPatchesManager.register_patch(
+    "megatron.core.transformer.dot_product_attention.DotProductAttention.forward", mindspeed_forward)
+MindSpeedPatchesManager.apply_patches()
 statuses = {r.target.split(":")[1]: r.status for r in registry.report()}
 print(json.dumps({
     "features": [type(f).__name__ for f in Manager.FEATURES_LIST],
@@ -55,6 +68,9 @@ print(json.dumps({
     "enabled_before": enabled_before,
     "enabled_after": sorted(registry.enabled),
     "declared": registry.features,
+    "was_ours": hasattr(ours_before, "__wrapped__"),
+    "ours_on_top_of_mindspeed": getattr(DotProductAttention.forward, "__wrapped__", None) is mindspeed_forward,
+    "apply_hook": statuses["MindSpeedPatchesManager.apply_patches"],
     "status": statuses["MindSpeedFeaturesManager.set_features_list"],
 }))
 '''
@@ -72,3 +88,5 @@ def test_flowtrain_is_a_real_mindspeed_feature():
     # what MindSpeed asked for (--use-flowtrain --no-flow-pool), among the features with patches
     assert out["enabled_after"] == [f for f in out["declared"] if f != "pool"]
     assert out["status"] == "applied"
+    assert out["apply_hook"] == "applied"
+    assert out["was_ours"] and out["ours_on_top_of_mindspeed"]

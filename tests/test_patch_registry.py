@@ -241,3 +241,36 @@ def test_source_reader_follows_reexports_and_reads_parameters(tmp_path):
     assert find_in_source("pkg.nothing", "x", [tmp_path]) is None
     with pytest.raises(SourceMissing, match="Box.close is not defined"):
         find_in_source("pkg.sub.impl", "Box.close", [tmp_path])
+
+
+def test_refresh_reapplies_over_a_foreign_replacement_and_keeps_a_foreign_wrapper(target_module):
+    """What MindSpeed's patch manager does to a target we patched first."""
+    import functools
+
+    module = importlib.import_module(target_module)
+    log = []
+    registry = PatchRegistry([Patch("a", f"{target_module}:greet", wrapper=tag("ours", log))])
+    registry.enable({"a"})
+    ours = module.greet
+
+    @functools.wraps(ours)
+    def foreign_wrapper(*args, **kwargs):
+        log.append("foreign wrapper")
+        return ours(*args, **kwargs)
+
+    module.greet = foreign_wrapper
+    assert registry.refresh() == []  # ours is still inside: no second layer
+    module.greet("x")
+    assert log == ["foreign wrapper", "ours"]
+
+    def foreign_replacement(name, punctuation="."):
+        log.append("foreign replacement")
+        return "bye " + name
+
+    module.greet = foreign_replacement
+    log.clear()
+    assert registry.refresh() == [f"{target_module}:greet"]
+    assert module.greet("x") == "bye x"
+    assert log == ["ours", "foreign replacement"]
+    registry.remove()
+    assert module.greet is foreign_replacement

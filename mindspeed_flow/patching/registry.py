@@ -147,6 +147,28 @@ class PatchRegistry:
             self._enabled.clear()
             self._skipped.clear()
 
+    def refresh(self) -> list[str]:
+        """Re-apply patches that another patcher replaced after us; returns their targets.
+
+        MindSpeed's patch manager sets attributes directly, so a MindSpeed patch applied
+        after ours on the same target silently drops our wrapper.  A target whose current
+        object still reaches ours through ``__wrapped__`` (a foreign wrapper around ours) is
+        left alone; otherwise the foreign object becomes what we wrap, and ``remove()``
+        puts that object back.
+        """
+        with self._lock:
+            lost = []
+            for target, applied in list(self._applied.items()):
+                live = applied.live
+                current = vars(live.parent).get(live.attr)  # a module or a class: its own namespace
+                if _reaches(current, applied.patched):
+                    continue
+                del self._applied[target]  # forget, do not restore: the foreign object stays
+                self._apply_target(target)
+                lost.append(target)
+            self._rebind_aliases(lost)
+            return lost
+
     # ------------------------------------------------------------------ internals
     def _hook(self, module_name: str) -> None:
         if module_name in self._hooked_modules:
@@ -247,6 +269,20 @@ def _swap_module_references(swaps: dict[int, tuple[Any, Any]], skip) -> list[tup
             setattr(module, name, pair[1])
             changed.append((module, name, pair[1]))
     return changed
+
+
+def _reaches(obj: Any, wanted: Any, max_depth: int = 64) -> bool:
+    """Whether ``wanted`` is ``obj`` or lies along its ``__wrapped__`` chain."""
+    for _ in range(max_depth):
+        if obj is wanted:
+            return True
+        obj = getattr(obj, "__func__", obj)  # a staticmethod / classmethod around a wrapper
+        if obj is wanted:
+            return True
+        obj = getattr(obj, "__wrapped__", None)
+        if obj is None:
+            return False
+    return False
 
 
 def _single_replacement(patches: list[Patch]) -> Patch | None:
