@@ -31,6 +31,8 @@ def test_wheel_holds_the_mapped_packages_and_the_hook(tmp_path):
                      "mindspeed_flow/patching/registry.py", "mindspeed_flow_autoload.pth"]:
         assert expected in names, expected
     assert not any(n.startswith(("adapters/", "patches/", "tests/")) for n in names)
+    for init in sorted(ROOT.glob("mindspeed_flow/**/__init__.py")):  # no sub-package left out
+        assert init.relative_to(ROOT).as_posix() in names, init
 
 
 def test_plain_install_imports_from_the_installed_copy(tmp_path):
