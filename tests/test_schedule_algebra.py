@@ -148,6 +148,20 @@ def test_transposed_head_after_the_pipeline_borrows_its_ranks():
     validate(compose(regions, 4, semantics="rendezvous"))
 
 
+def test_replicated_skeleton_options_are_keywords():
+    assert Decoupled(2).ranks == 2 and Decoupled(2).max_in_flight is None
+    assert Transpose() == Transpose(max_in_flight=None) != Transpose(max_in_flight=4)
+    with pytest.raises(ScheduleError, match="max_in_flight must be >= 1"):
+        Decoupled(ranks=1, max_in_flight=0)
+
+
+def test_rendezvous_keeps_just_in_time_transfers_where_they_are_safe():
+    pipeline = [Region("llm", 8, OneFOneB(stages=4))]
+    assert compose(pipeline, 8, semantics="rendezvous").programs == compose(pipeline, 8).programs
+    transposed = [Region("vit", 2, Transpose(), trainable=False), Region("llm", 8, OneFOneB(stages=4))]
+    assert compose(transposed, 8, semantics="rendezvous").programs != compose(transposed, 8).programs
+
+
 def test_transpose_without_a_sharded_neighbour_is_an_error():
     with pytest.raises(ScheduleError, match="transposed region 'vit' has no sharded neighbour"):
         compose([Region("vit", 4, Transpose()), Region("llm", 8, Decoupled(ranks=2))], 4)

@@ -11,15 +11,16 @@ Megatron's ``send_forward_recv_backward``.  Trainable replicated regions also br
 their parameters at the start of the step and reduce their gradients at its end (each
 replica computes gradients for its own microbatches only).
 
-Where a transfer goes in the two programs depends on the runtime's blocking semantics:
-
-- ``eager`` (``isend``): the send right after its producer, the receive right before its
-  consumer, so a rank waits for data only when it needs it;
-- ``rendezvous`` (blocking sends): both ends at the nominal moment the producer finishes,
-  in the slot between computes each rank is in at that moment, all transfers in one global
-  order.  Every rank then meets its transfers in the same global order, and the smallest
-  unfinished transfer can always complete (everything before it on both ranks has), so the
-  programs cannot deadlock, whatever the composition.
+Transfers go *just in time*: the send right after its producer, the receive right before
+its consumer, so a rank waits for data only when it needs it.  That is always safe when
+sends do not block (``eager``, ``isend``), and it is Megatron's own pattern, safe for plain
+pipelines even when they do.  For blocking sends (``rendezvous``) symbolic execution checks
+it; if it could deadlock (a transposed ViT running ahead of the LLM that consumes it), the
+transfers are placed in *one global order* instead: both ends at the nominal moment the
+producer finishes, in the slot between computes each rank is in at that moment.  Every rank
+then meets its transfers in the same global order and the smallest unfinished transfer can
+always complete (everything before it on both ranks has), so the programs cannot deadlock,
+whatever the composition.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import Sequence
 
 from .actions import Action, Kind
 from .errors import ScheduleError
-from .execution import SEMANTICS
+from .execution import SEMANTICS, execute
 from .order import Duration, Timed, merge, streams, unit_duration
+from .pairing import pair
 from .placement import Placement, Visit
 from .plan import Plan
 from .regions import Region, check_cover
@@ -74,8 +76,10 @@ def compose(
     placement = Placement(regions)
     paths = tuple(placement.path(m) for m in range(num_microbatches))
     timeline = merge(streams(placement, num_microbatches), paths, duration or unit_duration)
-    programs = _assemble(timeline, _transfers(timeline, paths), semantics)
-    _add_collectives(programs, placement)
+    transfers = _transfers(timeline, paths)
+    programs = _assemble(timeline, transfers, in_one_order=False, placement=placement)
+    if semantics == "rendezvous" and not execute(programs, pair(programs), semantics).finished:
+        programs = _assemble(timeline, transfers, in_one_order=True, placement=placement)
     return Plan(
         regions=tuple(regions),
         num_microbatches=num_microbatches,
@@ -136,14 +140,18 @@ def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]
 
 
 def _assemble(
-    timeline: dict[int, list[Timed]], transfers: list[_Transfer], semantics: str
+    timeline: dict[int, list[Timed]],
+    transfers: list[_Transfer],
+    in_one_order: bool,
+    placement: Placement,
 ) -> dict[int, list[Action]]:
-    """Place every transfer's two ends between the computes of their ranks."""
+    """Place every transfer's two ends between the computes of their ranks: just in time,
+    or all transfers in one global order; then add the collectives."""
     slots = {rank: [[] for _ in range(len(timed) + 1)] for rank, timed in timeline.items()}
     keys = {rank: [(t.start, t.pick) for t in timed] for rank, timed in timeline.items()}
     index = {(rank, t.pick): i for rank, timed in timeline.items() for i, t in enumerate(timed)}
     for seq, tr in enumerate(transfers):
-        if semantics == "eager":
+        if not in_one_order:
             send_slot = index[(tr.sender, tr.producer.pick)] + 1
             recv_slot = index[(tr.receiver, tr.consumer.pick)]
             send_order, recv_order = (0, seq), (1, seq)
@@ -162,6 +170,7 @@ def _assemble(
             if i < len(timed):
                 program.append(timed[i].action)
         programs[rank] = program
+    _add_collectives(programs, placement)
     return programs
 
 

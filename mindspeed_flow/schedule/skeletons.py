@@ -141,7 +141,7 @@ def _interleaved_table(num_microbatches: int, chunks: int, group: int) -> list[t
     return table
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Replicated:
     """Common part of the microbatch-replicated skeletons.
 
