@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .actions import COMPUTE
 from .compose import compose
 from .costs import CostTable, Jitter, Link, RegionCost, pack_scale
 from .errors import ScheduleError
@@ -84,8 +85,10 @@ def build_regions(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> lis
     else:
         raise ScheduleError(f"schedule {schedule.get('name')!r}: layout {layout!r} is not one of {LAYOUTS}")
     return [
-        Region("vit", vit["layers"], vit_skeleton, trainable=vit.get("trainable", True)),
-        Region("llm", llm["layers"], llm_skeleton, trainable=llm.get("trainable", True)),
+        Region("vit", _need(config, "regions", "vit", "layers"), vit_skeleton,
+               trainable=vit.get("trainable", True)),
+        Region("llm", _need(config, "regions", "llm", "layers"), llm_skeleton,
+               trainable=llm.get("trainable", True)),
     ]
 
 
@@ -152,8 +155,11 @@ def run(config: Mapping[str, Any], charts: Path | None = None) -> list[Row]:
 
 
 def _encoder_ranks(plan: Plan) -> int:
-    """Ranks that run only the ViT (its own stages or producer ranks)."""
-    return sum(1 for role in plan.roles.values() if role.startswith("vit") and "llm" not in role)
+    """Ranks that compute only the ViT (its own stages or producer ranks)."""
+    return sum(
+        1 for program in plan.programs.values()
+        if {a.region for a in program if a.kind in COMPUTE} == {"vit"}
+    )
 
 
 def format_table(title: str, rows: list[Row]) -> str:
