@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from .simulate import SimResult
 
 _ALPHA = {Kind.FORWARD: 0.45, Kind.BACKWARD: 0.95, Kind.BACKWARD_INPUT: 0.75}
+_HATCH = {Kind.BACKWARD_INPUT: "//"}
+_LABEL = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.BACKWARD_INPUT: "I (input grads)"}
 
 
 def draw(result: SimResult, path: Path, title: str | None = None) -> Path:
@@ -39,8 +41,7 @@ def draw(result: SimResult, path: Path, title: str | None = None) -> Path:
             continue
         ax.barh(
             y, iv.end - iv.start, left=iv.start, height=0.8, color=colour[a.region],
-            alpha=_ALPHA[a.kind], edgecolor="black", linewidth=0.3,
-            hatch="//" if a.kind is Kind.BACKWARD_INPUT else None,
+            alpha=_ALPHA[a.kind], edgecolor="black", linewidth=0.3, hatch=_HATCH.get(a.kind),
         )
         if iv.end - iv.start >= min_label:
             ax.text((iv.start + iv.end) / 2, y, str(a.microbatch), ha="center", va="center", fontsize=6)
@@ -51,9 +52,12 @@ def draw(result: SimResult, path: Path, title: str | None = None) -> Path:
     ax.set_xlabel("seconds")
     heading = f"step {result.step_time:.2f} s, bubble {result.bubble_fraction:.0%}"
     ax.set_title(f"{title}: {heading}" if title else heading, fontsize=10)
-    legend = [Patch(color=colour[n], alpha=_ALPHA[k], label=f"{n} {k.value}")
-              for n in names for k in (Kind.FORWARD, Kind.BACKWARD)]
-    legend.append(Patch(color="0.6", label="collective"))
+    drawn = {(iv.action.region, iv.action.kind) for iv in result.intervals}
+    legend = [Patch(facecolor=colour[n], alpha=_ALPHA[k], hatch=_HATCH.get(k), label=f"{n} {_LABEL[k]}")
+              for n in names for k in (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT)
+              if (n, k) in drawn]
+    if any(kind in COLLECTIVES for _, kind in drawn):
+        legend.append(Patch(color="0.6", label="collective"))
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 5 else -0.12),
               ncol=min(len(legend), 7), fontsize=7, frameon=False)
     fig.tight_layout()
