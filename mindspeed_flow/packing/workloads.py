@@ -44,9 +44,6 @@ class Workload:
     image_patches: np.ndarray
     image_offsets: np.ndarray
 
-    def patches_of(self, sample: int) -> np.ndarray:
-        return self.image_patches[self.image_offsets[sample] : self.image_offsets[sample + 1]]
-
 
 def sample(spec: Mapping[str, Any], size: int, rng: np.random.Generator) -> np.ndarray:
     """Draw ``size`` floats from a distribution spec (``dist`` plus its parameters,
