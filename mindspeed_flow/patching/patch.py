@@ -10,7 +10,7 @@ order, and undo every one of them.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 # A wrapt-style wrapper: ``wrapper(wrapped, instance, args, kwargs)``.
@@ -41,6 +41,9 @@ class Patch:
         order: wrappers on one target compose in ascending ``(order, feature)``; the first
             is the innermost, next to the original.
         description: one line for ``doctor``: why the target is patched.
+        rebind_aliases: also point names that other modules copied with ``from x import
+            f`` at the patched object.  Off for a target that other modules must keep
+            seeing unpatched (a wrapper meant for one module's view of a shared helper).
     """
 
     feature: str
@@ -52,7 +55,7 @@ class Patch:
     optional: bool = False
     order: int = 0
     description: str = ""
-    rebind_aliases: bool = field(default=True)
+    rebind_aliases: bool = True
 
     def __post_init__(self) -> None:
         if ":" not in self.target or self.target.count(":") != 1:
