@@ -84,6 +84,24 @@ def _dropout_context(instance: Any, dropout_p: float) -> contextlib.AbstractCont
     return tensor_parallel.get_cuda_rng_tracker().fork()
 
 
+def _refuse_what_varlen_ignores(instance: Any) -> None:
+    """megatron-core 0.16's local ``DotProductAttention`` can also do sliding-window
+    attention (``scale_mask_softmax.window_size``) and off-by-one / learnable softmax
+    (``softmax_offset``); 0.12's has neither (it asserts ``window_size is None``). Varlen
+    attention does neither, so refuse rather than silently compute something else."""
+    window = getattr(getattr(instance, "scale_mask_softmax", None), "window_size", None)
+    if window is not None:
+        raise ValueError(
+            f"fused_attn: sliding-window attention (window_size={window}) is not supported "
+            "with packed_seq_params"
+        )
+    if getattr(instance, "softmax_offset", None) is not None:
+        raise ValueError(
+            f"fused_attn: softmax_type={instance.config.softmax_type!r} (softmax offset) is not "
+            "supported with packed_seq_params; use 'vanilla'"
+        )
+
+
 def dot_product_attention_forward(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
@@ -102,6 +120,13 @@ def dot_product_attention_forward(
             "fused_attn: cu_seqlens_*_padded differ from cu_seqlens_* (context-parallel padding); "
             "padded packs are not supported by the varlen patch"
         )
+    if getattr(packed, "local_cp_size", None) not in (None, 1):
+        # megatron-core 0.16 adds per-batch (dynamic) context parallelism to PackedSeqParams
+        raise ValueError(
+            f"fused_attn: packed_seq_params.local_cp_size={packed.local_cp_size}; context "
+            "parallelism is not supported by the varlen patch"
+        )
+    _refuse_what_varlen_ignores(instance)
     mask_type = call["attn_mask_type"] if call["attn_mask_type"] is not None else instance.attn_mask_type
     query = _to_tnd(call["query"], "query")
     dropout_p = instance.attention_dropout.p if instance.training else 0.0

@@ -69,6 +69,7 @@ print(json.dumps(out))
 SCRIPT = r'''
 import json
 import torch
+import torch.distributed as dist
 from mindspeed_flow.patching import PatchRegistry
 from mindspeed_flow.patches import fused_attn
 
@@ -84,13 +85,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from mindspeed_flow.attention.reference import segment_mask
 
 shims = enable_cpu_shims()
-parallel_state.set_tensor_model_parallel_world_size(1)
-parallel_state._set_global_memory_buffer()
+# A real one-rank group and model-parallel state, not just a TP world size of 1:
+# megatron-core 0.16 builds DotProductAttention's process groups from parallel_state
+# (pg_collection.tp.size()), which is None unless initialize_model_parallel() ran.
+# HashStore: one rank needs no rendezvous port. 0.12 is built the same way.
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
 out = {"status": [r.status for r in registry.report()][:1]}
 
-def module(mask_type, groups):
+def module(mask_type, groups, **extra):
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=groups,
-                               attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False)
+                               attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False, **extra)
     return DotProductAttention(config, layer_number=1, attn_mask_type=mask_type, attention_type="self")
 
 torch.manual_seed(0)
@@ -133,6 +138,21 @@ try:
 except ValueError as err:
     out["arbitrary"] = str(err)
 
+# megatron-core 0.16's local DotProductAttention also does sliding windows and softmax
+# offsets (0.12's has neither): the patch must refuse them, not ignore them.
+extras = {}
+if "softmax_type" in TransformerConfig.__dataclass_fields__:
+    extras["softmax_offset"] = {"softmax_type": "off-by-one"}
+    extras["window"] = {"window_size": (8, 0)}
+out["refused"] = {}
+for name, extra in extras.items():
+    try:
+        module(AttnMaskType.causal, 4, **extra)(torch.randn(T, 4, 16), torch.randn(T, 4, 16),
+                                                torch.randn(T, 4, 16), None, packed_seq_params=packed)
+        out["refused"][name] = None
+    except ValueError as err:
+        out["refused"][name] = str(err)
+
 registry.remove()
 try:
     module(AttnMaskType.causal, 4)(torch.randn(T, 4, 16), torch.randn(T, 4, 16), torch.randn(T, 4, 16),
@@ -140,7 +160,9 @@ try:
     out["after_remove"] = "accepted"
 except AssertionError as err:
     out["after_remove"] = "upstream refuses packed_seq_params"
+parallel_state.destroy_model_parallel()
 shims.remove()
+dist.destroy_process_group()
 print(json.dumps(out))
 '''
 
@@ -153,6 +175,8 @@ def test_dot_product_attention_packed_matches_megatron_dense_path():
         for what in ("fwd", "dq", "dk", "dv"):
             assert d[what] < 1e-5, (name, what, d)
     assert "arbitrary" in out["arbitrary"] and "segment" in out["arbitrary"]
+    for name, err in out["refused"].items():  # empty before megatron-core 0.16
+        assert err is not None and err.startswith("fused_attn:"), (name, err)
     assert out["after_remove"] == "upstream refuses packed_seq_params"
 
 

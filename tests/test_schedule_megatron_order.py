@@ -10,6 +10,7 @@ the number of slow process launches at two.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from contextlib import contextmanager
 
 import pytest
@@ -93,15 +94,20 @@ def _interleaved_events(world_size: int, count: int) -> list[str]:
             virtual_pipeline_model_parallel_size=CHUNKS,
             **cpu_safe_config_overrides(virtual_pipeline_model_parallel_size=CHUNKS),
         )
+        # megatron-core 0.12 reads the chunk from the global virtual rank set below;
+        # 0.16 wants it passed as ``vp_stage=`` (to GPTModel and to is_pipeline_*_stage,
+        # whose ignore_virtual now defaults to True) and refuses to build without it.
+        takes_vp_stage = "vp_stage" in inspect.signature(GPTModel.__init__).parameters
         chunks = []
         for chunk in range(CHUNKS):
             parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+            vp_stage = {"vp_stage": chunk} if takes_vp_stage else {}
             model = GPTModel(
                 config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                 vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
-                pre_process=parallel_state.is_pipeline_first_stage(),
-                post_process=parallel_state.is_pipeline_last_stage(),
-                share_embeddings_and_output_weights=False,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **vp_stage),
+                share_embeddings_and_output_weights=False, **vp_stage,
             )
             model.virtual_stage = chunk * world_size + parallel_state.get_pipeline_model_parallel_rank()
             chunks.append(model)
