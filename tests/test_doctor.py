@@ -120,14 +120,36 @@ def test_doctor_src_reads_a_checkout_without_importing_it(tmp_path):
 UPSTREAM_CHECKOUTS = ["MEGATRON_LM_SRC", "MINDSPEED_SRC", "MINDSPEED_MM_SRC"]
 
 
+def doctor_src_rows(root: Path) -> tuple[int, list[dict]]:
+    """``mindspeed-flow doctor --src ROOT --json``, as a user would run it."""
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "doctor", "--json", "--src", str(root)],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def assert_every_present_target_fits(root: Path) -> int:
+    code, rows = doctor_src_rows(root)
+    present = [r for r in rows if r["status"] != "not installed"]
+    failures = [f"{r['target']}: {r['status']} ({r['detail']})" for r in present if r["status"] != "found"]
+    assert not failures, "\n".join(failures)
+    assert code == 0
+    return len(present)
+
+
+def test_contract_against_the_installed_megatron_core():
+    """Read from the installed megatron-core's files, every megatron.core target is there."""
+    from mindspeed_flow.patching.source import installed_roots
+
+    (root,) = {r for r in installed_roots("megatron") if (r / "megatron" / "core").is_dir()}
+    present = assert_every_present_target_fits(root)
+    expected = {p.target for p in all_patches() if p.module.startswith("megatron.core.")}
+    assert expected and present >= len(expected)
+
+
 @pytest.mark.parametrize("variable", UPSTREAM_CHECKOUTS)
 def test_contract_against_upstream_checkout(variable):
     """Every declared patch whose module the checkout holds is found with a fitting signature."""
     root = os.environ.get(variable)
     if not root:
         pytest.skip(f"{variable} is not set: no upstream checkout to check the patch targets against")
-    rows = check_sources(all_patches(), [Path(root)])
-    present = [r for r in rows if r.status != "not installed"]
-    failures = [f"{r.target}: {r.status} ({r.detail})" for r in present if r.status != "found"]
-    assert not failures, "\n".join(failures)
-    print(f"{variable}={root}: {len(present)} target(s) found")
+    print(f"{variable}={root}: {assert_every_present_target_fits(Path(root))} target(s) found")
