@@ -67,6 +67,19 @@ class _Buckets:
         return taken[0] if len(taken) == 1 else np.concatenate(taken)
 
 
+def decreasing_runs(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, list[int], list[int]]:
+    """``(order, run_lengths, run_counts)``: item positions longest first (ties by
+    position), then the distinct lengths in that order with how many items have each.
+    Both decreasing packers walk these runs instead of single items."""
+    # Stable sort on (capacity - length): a narrow unsigned key lets numpy use radix sort.
+    key_type = np.uint16 if capacity < 2**16 else np.uint32
+    order = np.argsort((capacity - lengths).astype(key_type), kind="stable")
+    sorted_lengths = lengths[order]
+    starts = np.flatnonzero(np.diff(sorted_lengths, prepend=-1))
+    counts = np.diff(np.append(starts, len(lengths)))
+    return order, sorted_lengths[starts].tolist(), counts.tolist()
+
+
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """Best-fit decreasing of positive lengths ``<= capacity``.
 
@@ -74,20 +87,13 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     position), ``bins[k]`` is the bin of item ``order[k]``.  Bins are numbered in the
     order they were opened.
     """
-    n = len(lengths)
-    if n == 0:
+    if len(lengths) == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    # Stable sort on (capacity - length): a narrow unsigned key lets numpy use radix sort.
-    key_type = np.uint16 if capacity < 2**16 else np.uint32
-    order = np.argsort((capacity - lengths).astype(key_type), kind="stable")
-    sorted_lengths = lengths[order]
-    starts = np.flatnonzero(np.diff(sorted_lengths, prepend=-1))
-    counts = np.diff(np.append(starts, n))
-
+    order, run_lengths, run_counts = decreasing_runs(lengths, capacity)
     buckets = _Buckets(capacity)
     assigned: list[np.ndarray] = []
     next_bin = 0
-    for length, count in zip(sorted_lengths[starts].tolist(), counts.tolist()):
+    for length, count in zip(run_lengths, run_counts):
         while count:
             remaining = buckets.tree.successor(length)
             if remaining < 0:  # nothing fits: open as many bins as this run needs

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .bfd import decreasing_runs
+
 BLOCK = 1024
 
 
@@ -25,18 +27,13 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray
     n = len(lengths)
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    key_type = np.uint16 if capacity < 2**16 else np.uint32
-    order = np.argsort((capacity - lengths).astype(key_type), kind="stable")
-    sorted_lengths = lengths[order]
-    starts = np.flatnonzero(np.diff(sorted_lengths, prepend=-1))
-    counts = np.diff(np.append(starts, n))
-
+    order, run_lengths, run_counts = decreasing_runs(lengths, capacity)
     blocks = -(-n // BLOCK)  # never more bins than items
     room = np.full(blocks * BLOCK, -1, dtype=np.int64)  # -1: bin not opened yet
     block_room = np.full(blocks, -1, dtype=np.int64)  # largest room in each block
     assigned: list[np.ndarray] = []
     opened = 0
-    for length, count in zip(sorted_lengths[starts].tolist(), counts.tolist()):
+    for length, count in zip(run_lengths, run_counts):
         for block in np.flatnonzero(block_room[: -(-opened // BLOCK)] >= length).tolist():
             segment = room[block * BLOCK : (block + 1) * BLOCK]
             fitting = np.flatnonzero(segment >= length)

@@ -9,7 +9,7 @@ import numpy as np
 
 from .bfd import best_fit_decreasing
 from .ffd import first_fit_decreasing
-from .overlong import admit, check_policy
+from .overlong import Overlong, admit, check_policy
 from .stats import PackStats
 
 logger = logging.getLogger(__name__)
@@ -22,8 +22,8 @@ class Packs(list):
     stats: PackStats
 
 
-def pack(lengths: Sequence[int] | np.ndarray, capacity: int, overlong: str = "error") -> Packs:
-    """Pack items into as few packs of ``capacity`` tokens as best-fit decreasing finds.
+def pack(lengths: Sequence[int] | np.ndarray, capacity: int, overlong: Overlong = "error") -> Packs:
+    """Pack items into packs of at most ``capacity`` tokens, offline (all lengths known).
 
     Returns the item indices (positions in ``lengths``) of each pack, packs in the order
     they were opened, items in placement order (longest first, ties by index).  The
@@ -66,7 +66,7 @@ def pack(lengths: Sequence[int] | np.ndarray, capacity: int, overlong: str = "er
 
 
 def _admit_all(
-    lengths: np.ndarray, capacity: int, policy: str, stats: PackStats
+    lengths: np.ndarray, capacity: int, policy: Overlong, stats: PackStats
 ) -> tuple[np.ndarray, np.ndarray]:
     """Expand items into placeable chunks: ``(item index per chunk, chunk length)``.
 

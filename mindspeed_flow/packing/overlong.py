@@ -6,12 +6,12 @@ items whose length is zero or above capacity, so both packers share the exact ru
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from .stats import PackStats
 
 Overlong = Literal["error", "truncate", "split", "drop"]
-POLICIES: tuple[str, ...] = ("error", "truncate", "split", "drop")
+POLICIES: tuple[str, ...] = get_args(Overlong)
 
 
 def check_policy(policy: str) -> None:
@@ -19,7 +19,7 @@ def check_policy(policy: str) -> None:
         raise ValueError(f"overlong policy must be one of {POLICIES}, got {policy!r}")
 
 
-def admit(item_id: object, length: int, capacity: int, policy: str, stats: PackStats) -> list[int]:
+def admit(item_id: object, length: int, capacity: int, policy: Overlong, stats: PackStats) -> list[int]:
     """Return the chunk lengths to place for one item and count what was done to it.
 
     The caller counts ``stats.items``; this function counts only the exceptions.
