@@ -54,5 +54,7 @@ def test_swap_repair_balances_heavy_tailed_costs():
     assert worst < worst_snake and worst < 1.05
 
 
-def test_dispatch_is_deterministic_with_ties():
-    assert dispatch([1.0] * 12, 3, pp_size=2) == dispatch([1.0] * 12, 3, pp_size=2)
+def test_dispatch_breaks_ties_by_pack_index():
+    # Equal costs sort by index: snake rounds (0,1,2), (5,4,3), (6,7,8), (11,10,9); no swap
+    # helps; zig-zag inside a rank: "heaviest" (lowest index), "lightest" (highest), ...
+    assert dispatch([1.0] * 12, 3, pp_size=2) == [[0, 11, 5, 6], [1, 10, 4, 7], [2, 9, 3, 8]]

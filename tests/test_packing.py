@@ -47,6 +47,17 @@ def lengths_and_capacity(max_len: int = 60, max_items: int = 60):
     )
 
 
+def chunk_lengths(length: int, capacity: int, policy: str) -> list[int]:
+    """What the docs say an item becomes under each overlong policy."""
+    if length == 0 or (length > capacity and policy == "drop"):
+        return []
+    if length <= capacity:
+        return [length]
+    if policy == "truncate":
+        return [capacity]
+    return [capacity] * (length // capacity) + ([length % capacity] if length % capacity else [])
+
+
 def loads(packs, lengths):
     return [sum(lengths[i] for i in p) for p in packs]
 
@@ -107,6 +118,10 @@ def test_pack_is_deterministic_and_orders_packs_by_opening():
     assert first == second
     # Items inside a pack are in placement order: longest first.
     assert all(lengths[p].tolist() == sorted(lengths[p].tolist(), reverse=True) for p in map(np.array, first))
+    # Packs in opening order: a decreasing packer opens a pack for an item no earlier pack
+    # could take, so the packs' first items never grow.
+    heads = [lengths[p[0]] for p in first]
+    assert heads == sorted(heads, reverse=True)
 
 
 def test_pack_empty_input():
@@ -123,6 +138,7 @@ def test_overlong_error_names_item_and_length():
     packer = BestFitPacker(10)
     with pytest.raises(ValueError, match=r"item 'doc-7' has length 25 > capacity 10"):
         packer.add("doc-7", 25)
+    assert packer.stats.items == 0 and len(packer) == 0
 
 
 def test_negative_length_and_bad_policy_are_errors():
@@ -157,6 +173,10 @@ def test_overlong_policies_and_zero_length_rule(case, extra, policy):
         else:
             assert not any(seen[i] for i in over) and stats.dropped == len(over)
             assert stats.dropped_tokens == sum(lengths[i] for i in over)
+        # Occurrences of an item in pack order are its chunks in token order: no pack over C.
+        chunks = {i: iter(chunk_lengths(l, capacity, policy)) for i, l in enumerate(lengths)}
+        assert all(0 < sum(next(chunks[i]) for i in p) <= capacity for p in packs)
+        assert all(next(rest, None) is None for rest in chunks.values())
         placed = {"truncate": capacity, "split": None, "drop": 0}[policy]
         expected_tokens = sum(l if l <= capacity else (l if placed is None else placed) for l in lengths)
         assert stats.tokens == expected_tokens
@@ -196,6 +216,52 @@ def test_online_places_every_item_once_within_capacity_and_window(case, window):
     assert all(load <= capacity for load in loads(packs, lengths))
     stats = packer.stats
     assert stats.closed_full + stats.closed_window + stats.closed_flush == len(packs) == stats.packs
+
+
+def reference_online(lengths: list[int], capacity: int, window: int):
+    """The documented rule, item by item over a plain list of open packs: best fit; ties
+    and the window victim (the fullest pack) by who reached that remaining space first;
+    a full pack closes; ``flush`` in opening order.  Returns (closed per add, flushed)."""
+    open_packs: list[dict] = []
+    per_add = []
+    for i, l in enumerate(lengths):
+        closed = []
+        fits = [p for p in open_packs if p["room"] >= l]
+        if fits:
+            target = min(fits, key=lambda p: (p["room"], p["since"]))
+        else:
+            if len(open_packs) >= window and l < capacity:
+                victim = min(open_packs, key=lambda p: (p["room"], p["since"]))
+                open_packs.remove(victim)
+                closed.append(victim["items"])
+            target = {"room": capacity, "items": [], "opened": i}
+            open_packs.append(target)
+        target["items"].append(i)
+        target["room"] -= l
+        target["since"] = i
+        if not target["room"]:
+            open_packs.remove(target)
+            closed.append(target["items"])
+        per_add.append(closed)
+    return per_add, [p["items"] for p in sorted(open_packs, key=lambda p: p["opened"])]
+
+
+@FAST
+@given(lengths_and_capacity(max_len=30), st.integers(1, 5))
+def test_online_follows_the_documented_rule(case, window):
+    lengths, capacity = case
+    packer = BestFitPacker(capacity, window=window)
+    per_add = [packer.add(i, l) for i, l in enumerate(lengths)]
+    assert (per_add, packer.flush()) == reference_online(lengths, capacity, window)
+
+
+def test_online_ties_follow_fifo_not_opening_order():
+    # a opens pack A (room 7), b opens B (room 2); c takes B to room 1, then d takes A to
+    # room 1.  B reached room 1 first, so B is the window's victim although A is older.
+    packer = BestFitPacker(10, window=2)
+    assert [packer.add(i, l) for i, l in zip("abcd", [3, 8, 1, 6])] == [[], [], [], []]
+    assert packer.add("e", 9) == [["b", "c"]]
+    assert packer.flush() == [["a", "d"], ["e"]]
 
 
 def test_online_best_fit_and_window_closing_rule():

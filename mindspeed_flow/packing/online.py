@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Hashable
 
-from .overlong import admit, check_policy
+from .overlong import Overlong, admit, check_policy
 from .segment_tree import CapacityTree
 from .stats import PackStats
 
@@ -15,22 +15,25 @@ class BestFitPacker:
 
     Each item goes into the open pack with the smallest remaining space that fits it
     (O(log C): a :class:`CapacityTree` over the remaining-space values of open packs, a
-    FIFO of packs per value, so among equal packs the oldest wins).
+    FIFO of packs per value).  Ties between packs with the same remaining space go to the
+    one that has had that remaining space longest (FIFO order), which is not always the
+    pack opened first.
 
     A pack closes, and is returned by the :meth:`add` call that closed it, when
 
     - it is **full** (remaining space 0): nothing can join it any more; or
     - the **window is exceeded**: an item fits no open pack, ``window`` packs are already
       open, so one must close before a new pack opens.  The pack that closes is the
-      *fullest* open pack (smallest remaining space; the oldest among equals): it is the
-      one least likely to take another item, and closing it wastes the least space.
+      *fullest* open pack (smallest remaining space; among equals the first in FIFO
+      order, as above): it is the one least likely to take another item, and closing it
+      wastes the least space.
 
     ``window`` is thus the look-ahead: a pack can collect items for as long as it stays
-    among the ``window`` open packs.  :meth:`flush` closes the rest, oldest first.
+    among the ``window`` open packs.  :meth:`flush` closes the rest in the order they were opened.
     Deterministic: the same stream gives the same packs in the same order.
     """
 
-    def __init__(self, capacity: int, window: int = 1024, overlong: str = "error") -> None:
+    def __init__(self, capacity: int, window: int = 1024, overlong: Overlong = "error") -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if window < 1:
@@ -41,15 +44,18 @@ class BestFitPacker:
         self.overlong = overlong
         self.stats = PackStats(capacity=capacity)
         self._tree = CapacityTree(capacity)
-        self._by_room: dict[int, deque[int]] = {}  # remaining space -> open pack ids, oldest first
+        self._by_room: dict[int, deque[int]] = {}  # remaining space -> open pack ids, FIFO
         self._items: dict[int, list[Hashable]] = {}  # open pack id -> its items (dicts keep age order)
         self._next_id = 0
 
     def add(self, item_id: Hashable, length: int) -> list[list[Hashable]]:
-        """Place one item; return the packs this placement closed (often none)."""
+        """Place one item; return the packs this placement closed (often none).
+
+        An item refused with an error leaves the packer (and its stats) as it was."""
+        chunks = admit(item_id, length, self.capacity, self.overlong, self.stats)
         self.stats.items += 1
         closed: list[list[Hashable]] = []
-        for chunk in admit(item_id, length, self.capacity, self.overlong, self.stats):
+        for chunk in chunks:
             room = self._tree.successor(chunk)
             if room >= 0:
                 pack_id = self._take(room)
@@ -73,7 +79,7 @@ class BestFitPacker:
         return closed
 
     def flush(self) -> list[list[Hashable]]:
-        """Close every open pack, oldest first, and return them."""
+        """Close every open pack and return them, in the order they were opened."""
         rest = [self._close(pack_id) for pack_id in list(self._items)]
         self.stats.closed_flush += len(rest)
         self._tree = CapacityTree(self.capacity)
