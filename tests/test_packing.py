@@ -6,7 +6,7 @@ from collections import Counter, defaultdict, deque
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mindspeed_flow.packing import BestFitPacker, pack
@@ -181,6 +181,24 @@ def test_overlong_policies_and_zero_length_rule(case, extra, policy):
         expected_tokens = sum(l if l <= capacity else (l if placed is None else placed) for l in lengths)
         assert stats.tokens == expected_tokens
         assert stats.items == len(lengths) and stats.packs == len(packs)
+
+
+@FAST
+@given(lengths_and_capacity(max_len=40), st.lists(st.integers(0, 200), min_size=1, max_size=8))
+def test_overlong_error_names_the_first_overlong_item(case, extra):
+    lengths, capacity = case
+    lengths = lengths + extra
+    over = [i for i, l in enumerate(lengths) if l > capacity]
+    assume(over)
+    first = over[0]
+    message = rf"item {first} has length {lengths[first]} > capacity {capacity}"
+    with pytest.raises(ValueError, match=message):
+        pack(lengths, capacity)
+    packer = BestFitPacker(capacity, window=3)
+    with pytest.raises(ValueError, match=message):
+        for i, l in enumerate(lengths):
+            packer.add(i, l)
+    assert packer.stats.items == first  # the refused item is not counted
 
 
 def test_split_chunks_appear_in_token_order():
