@@ -3,17 +3,21 @@
 The reference is textbook masked softmax attention on a dense ``[T, T]`` segment mask, in
 the same dtype (fp32); the varlen result must match within 1e-5 on random packs (single
 token segments, one segment filling the pack, causal and bidirectional, sliding windows,
-GQA, unequal query/key lengths) and on Qwen2.5-VL window segments.
+GQA, unequal query/key lengths) and on Qwen2.5-VL window segments.  A dispatch-mode
+recorder checks that no tensor of the pack's ``[T, T]`` footprint is built, forward or
+backward.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mindspeed_flow.adapters.flash_attn import flash_varlen_args
 from mindspeed_flow.adapters.torch_npu import COMPRESSED_MASK_SIZE, UNBOUNDED, compressed_mask, npu_fusion_attention_args
@@ -83,6 +87,50 @@ def test_windows_longer_than_a_query_block(monkeypatch):
     for causal in (True, False):
         check_against_dense([70, 3, 45], [70, 3, 45], causal, (20, 9))
         check_against_dense([70, 3], [90, 1], causal, None)
+
+
+class TensorShapes(TorchDispatchMode):
+    """Records the shape of every tensor an aten op returns (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for item in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(item, torch.Tensor):
+                self.shapes.append((str(func), tuple(item.shape)))
+        return out
+
+
+@pytest.mark.parametrize(
+    "lengths, causal, window",
+    [
+        ([700, 1, 1200, 99, 1000], True, None),   # LLM pack: causal segments
+        ([700, 1, 1200, 99, 1000], False, None),  # ViT pack: full segments
+        ([3000], True, (256, 0)),                 # one segment filling the pack, sliding window
+        ([3000], False, (-1, 8)),                 # ... window unbounded on one side
+        ([1500, 1500], False, (100, 100)),
+    ],
+)
+def test_no_pack_sized_tensor_is_ever_built(lengths, causal, window):
+    """Neither forward nor backward allocates anything with a [T, T] footprint: every tensor
+    any aten op returns has the product of any two of its dimensions below T * T (a dense
+    mask or score matrix of the pack would reach it)."""
+    cu = cu_of(lengths)
+    total = cu[-1]
+    q, k, v = random_qkv(total, total, 4, 2, 8, seed=6, grad=True)
+    with TensorShapes() as seen:
+        varlen_attention(q, k, v, cu, cu, causal, window=window).sum().backward()
+    assert seen.shapes  # the mode saw the ops
+    offenders = [(op, shape) for op, shape in seen.shapes
+                 if any(a * b >= total * total for a, b in itertools.combinations(shape, 2))]
+    assert offenders == []
+    # the check has teeth: the dense reference trips it
+    with TensorShapes() as dense:
+        segment_mask(cu, cu, total, total, causal, window)
+    assert any(shape == (total, total) for _, shape in dense.shapes)
 
 
 def qwen25_window_lengths(grid_thw, window_patches=112, patch=14, merge=2):
