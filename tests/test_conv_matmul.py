@@ -1,11 +1,17 @@
 """PatchEmbedMatmul equals the convolution it replaces; state dicts convert both ways; the
 conversion CLI; the ``conv_matmul`` wrapper on a stand-in of MindSpeed-MM's PatchEmbed.
 
-On tolerances: for Qwen2-VL's patch embedding (1176-long dot products) an fp32 Conv3d
-itself is about 4e-6 away from the exact (fp64) result while the matmul is about 1.5e-6
-away, so "equal to the fp32 conv within 1e-6" is below fp32 summation noise whatever the
-order.  The tests hold the matmul to 1e-6 relative to the exact convolution (forward and
-backward) and to the fp32 conv within fp32 noise (1e-5).
+Tolerances, stated plainly.  The issue asks "fp32 1e-6".  Read as "the fp32 matmul is
+within 1e-6 of the convolution", it is held against the *exact* convolution (computed in
+fp64): for forward, input, weight and bias gradients, ``max |matmul - exact| / max |exact|
+< 1e-6`` (a normwise relative error, not an element-wise rtol).  It is not held against the
+fp32 ``Conv3d``/``Conv2d`` at 1e-6, because the fp32 convolution itself misses that bar:
+measured over seeds 0-5 on these shapes (CPU, torch 2.13) the fp32 conv is 1.0e-6 to 1.7e-6
+from exact by the same measure (a few 1e-6 absolute on outputs of magnitude ~2.5) while
+the matmul is 4e-7 to 8e-7.  Against the fp32 conv the tests therefore assert element-wise
+``atol=1e-5`` on the output and the input gradient (measured differences up to 5.5e-6), and
+``atol=1e-4, rtol=1e-5`` on weight and bias gradients, whose entries reach ~110 for CLIP
+(the fp32 conv's own weight gradient is 1.1e-4 from exact there).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ QWEN2VL = dict(in_channels=3, out_channels=1280, kernel_size=(2, 14, 14))
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Normwise relative error of ``a`` against the reference ``b``: max |a - b| / max |b|."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
@@ -40,17 +47,18 @@ def exact_conv(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "conv, shape",
+    "make_conv, shape",
     [
-        (nn.Conv3d(3, 1280, (2, 14, 14), stride=(2, 14, 14), bias=False), (24, 3, 2, 14, 14)),  # Qwen2-VL
-        (nn.Conv3d(3, 1280, (2, 14, 14), stride=(2, 14, 14), bias=True), (24, 3, 2, 14, 14)),   # Qwen3-VL, GLM
-        (nn.Conv2d(3, 1024, 14, stride=14, bias=False), (2, 3, 224, 224)),                      # CLIP ViT-L/14
-        (nn.Conv3d(3, 32, (2, 14, 14), stride=(2, 14, 14)), (2, 3, 5, 30, 43)),                 # ragged edges
+        (lambda: nn.Conv3d(3, 1280, (2, 14, 14), stride=(2, 14, 14), bias=False), (24, 3, 2, 14, 14)),  # Qwen2-VL
+        (lambda: nn.Conv3d(3, 1280, (2, 14, 14), stride=(2, 14, 14), bias=True), (24, 3, 2, 14, 14)),   # Qwen3-VL, GLM
+        (lambda: nn.Conv2d(3, 1024, 14, stride=14, bias=False), (2, 3, 224, 224)),                      # CLIP L/14
+        (lambda: nn.Conv3d(3, 32, (2, 14, 14), stride=(2, 14, 14)), (2, 3, 5, 30, 43)),                 # ragged
     ],
+    ids=["qwen2vl-conv3d", "qwen3vl-conv3d-bias", "clip-conv2d", "ragged-edges"],
 )
-def test_forward_and_backward_equal_the_conv(conv, shape):
-    torch.manual_seed(0)
-    conv = conv.float()
+def test_forward_and_backward_equal_the_conv(make_conv, shape):
+    torch.manual_seed(0)  # before the conv is built, so its weights are the same every run
+    conv = make_conv().float()
     matmul = PatchEmbedMatmul.from_conv(conv)
     x = torch.randn(shape)
     x_conv, x_mm = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -64,13 +72,16 @@ def test_forward_and_backward_equal_the_conv(conv, shape):
     y_mm.backward(grad)
     x64 = x.double().requires_grad_(True)
     w64 = conv.weight.detach().double().requires_grad_(True)
+    b64 = None if conv.bias is None else conv.bias.detach().double().requires_grad_(True)
     fn = F.conv3d if isinstance(conv, nn.Conv3d) else F.conv2d
-    fn(x64, w64, None, stride=conv.stride).backward(grad.double())
+    fn(x64, w64, b64, stride=conv.stride).backward(grad.double())
     assert max_rel(x_mm.grad, x64.grad) < 1e-6
     assert max_rel(matmul.weight.grad, w64.grad.reshape(w64.shape[0], -1)) < 1e-6
+    torch.testing.assert_close(x_mm.grad, x_conv.grad, atol=1e-5, rtol=0)
     torch.testing.assert_close(matmul.weight.grad, conv.weight.grad.reshape(conv.out_channels, -1),
                                atol=1e-4, rtol=1e-5)
     if conv.bias is not None:
+        assert max_rel(matmul.bias.grad, b64.grad) < 1e-6
         torch.testing.assert_close(matmul.bias.grad, conv.bias.grad, atol=1e-4, rtol=1e-5)
 
 
