@@ -33,23 +33,35 @@ def index_of(plan, rank, text):
     return next(i for i, a in enumerate(plan.programs[rank]) if str(a).startswith(text))
 
 
+def dropped(plan, rank, text):
+    """The plan without the action of one rank's program named by its text."""
+    i = index_of(plan, rank, text)
+    return edited(plan, rank, lambda program: program.pop(i))
+
+
+def swapped(plan, rank, first, second):
+    """The plan with two actions of one rank's program (named by their text) exchanged."""
+    i, j = index_of(plan, rank, first), index_of(plan, rank, second)
+
+    def swap(program):
+        program[i], program[j] = program[j], program[i]
+
+    return edited(plan, rank, swap)
+
+
 def test_composed_plans_pass():
     validate(one_f_one_b())
     validate(one_f_one_b(), semantics="rendezvous")
 
 
 def test_a_send_without_its_receive():
-    plan = one_f_one_b()
-    last = index_of(plan, 1, "RECV_A llm.s1 mb3")
-    broken = edited(plan, 1, lambda p: p.pop(last))
+    broken = dropped(one_f_one_b(), 1, "RECV_A llm.s1 mb3")
     with pytest.raises(ScheduleError, match=r"rank 0 action #\d+ `SEND_A llm.s0 mb3 -> r1 .*` has no matching receive on rank 1"):
         validate(broken)
 
 
 def test_a_receive_without_its_send():
-    plan = one_f_one_b()
-    i = index_of(plan, 1, "SEND_G llm.s1 mb3")
-    broken = edited(plan, 1, lambda p: p.pop(i))
+    broken = dropped(one_f_one_b(), 1, "SEND_G llm.s1 mb3")
     with pytest.raises(ScheduleError, match=r"rank 0 action #\d+ `RECV_G llm.s0 mb3 <- r1 .*` has no matching send on rank 1"):
         validate(broken)
 
@@ -65,26 +77,29 @@ def test_messages_out_of_order_on_a_channel():
         validate(edited(plan, 1, swap))
 
 
-def test_backward_before_forward():
+def test_a_receive_expecting_another_shape_key():
     plan = one_f_one_b()
-    f, b = index_of(plan, 1, "F      llm.s1 mb0"), index_of(plan, 1, "B      llm.s1 mb0")
+    i = index_of(plan, 1, "RECV_A llm.s1 mb2")
 
-    def swap(p):
-        p[f], p[b] = p[b], p[f]
+    def rekey(p):
+        p[i] = dataclasses.replace(p[i], key="llm.s0:grad")
 
+    with pytest.raises(ScheduleError, match=(
+        r"r0->r1 mb2: shape key mismatch, rank 0 action #\d+ `SEND_A llm.s0 mb2 -> r1 \[llm.s0:act\]` "
+        r"sends \[llm.s0:act\] but rank 1 action #\d+ `RECV_A llm.s1 mb2 .*` expects \[llm.s0:grad\]")):
+        validate(edited(plan, 1, rekey))
+
+
+def test_backward_before_forward():
+    broken = swapped(one_f_one_b(), 1, "F      llm.s1 mb0", "B      llm.s1 mb0")
     with pytest.raises(ScheduleError, match=r"rank 1 action #\d+ `B      llm.s1 mb0`: needs forward of mb0"):
-        validate(edited(plan, 1, swap))
+        validate(broken)
 
 
 def test_forward_before_its_input_arrives_breaks_region_order():
-    plan = one_f_one_b()
-    r, f = index_of(plan, 1, "RECV_A llm.s1 mb1"), index_of(plan, 1, "F      llm.s1 mb1")
-
-    def swap(p):
-        p[r], p[f] = p[f], p[r]
-
+    broken = swapped(one_f_one_b(), 1, "RECV_A llm.s1 mb1", "F      llm.s1 mb1")
     with pytest.raises(ScheduleError, match=r"rank 1 action #\d+ `F      llm.s1 mb1`: needs \[llm.s0:act\] of mb1"):
-        validate(edited(plan, 1, swap))
+        validate(broken)
 
 
 def test_send_before_the_tensor_is_computed():
@@ -122,9 +137,22 @@ def test_backward_of_a_frozen_region_without_gradient_path():
 
 def test_pool_get_without_a_put():
     plan = compose([Region("vit", 2, Decoupled(ranks=1)), Region("llm", 4, OneFOneB(stages=2))], 2)
-    i = index_of(plan, 0, "PUT    vit.s0 mb1")
     with pytest.raises(ScheduleError, match=r"rank 1 action #\d+ `GET    llm.s0 mb1 <- r0 \[vit.s0:act\]` waits for a put nobody makes"):
-        validate(edited(plan, 0, lambda p: p.pop(i)))
+        validate(dropped(plan, 0, "PUT    vit.s0 mb1"))
+
+
+def test_pool_get_naming_the_wrong_producer():
+    plan = compose([Region("vit", 2, Decoupled(ranks=2)), Region("llm", 4, OneFOneB(stages=2))], 2)
+    i = index_of(plan, 2, "GET    llm.s0 mb1 <- r1")
+
+    def misaddress(p):
+        p[i] = dataclasses.replace(p[i], peer=0)
+
+    broken = edited(plan, 2, misaddress)
+    with pytest.raises(ScheduleError, match=(
+        r"rank 2 action #\d+ `GET    llm.s0 mb1 <- r0 \[vit.s0:act\]`: \[vit.s0:act\] mb1 is pooled "
+        r"between this rank and rank 1 \(rank 1 action #\d+ `PUT    vit.s0 mb1 -> r2 .*`\), not r0")):
+        validate(broken)
 
 
 def test_collective_called_unequally():

@@ -3,14 +3,15 @@
 Point-to-point transfers travel on channels ``(source, destination, key)``: one channel per
 boundary tensor and direction (one tag or one communicator per seam in the runtime), first
 in first out, so the k-th send on a channel meets the k-th receive on it.  Pool transfers
-are addressed by ``(key, microbatch)``: exactly one put and one get each.  A collective
-meets the same collective (kind, region, group) of every member, k-th with k-th.  The
-validator and the simulator both read programs through this one pairing.
+are addressed by ``(key, microbatch)``: exactly one put and one get each, each naming the
+other's rank as its peer.  A collective meets the same collective (kind, region, group) of
+every member, k-th with k-th.  The validator and the simulator both read programs through
+this one pairing.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -51,6 +52,7 @@ def _pair_p2p(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref])
                 sends[(rank, a.peer, MATCHING_RECV[a.kind], a.key)].append((rank, i))
             elif a.kind in RECVS and a.kind is not Kind.POOL_GET:
                 recvs[(a.peer, rank, a.kind, a.key)].append((rank, i))
+    _check_shape_keys(programs, sends, recvs)
     for channel in sorted(set(sends) | set(recvs), key=repr):
         src, dst, _, key = channel
         out, into = sends[channel], recvs[channel]
@@ -69,6 +71,42 @@ def _pair_p2p(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref])
             raise ScheduleError(f"{describe(programs, extra)} has no matching send on rank {src}")
 
 
+def _check_shape_keys(
+    programs: Mapping[int, Sequence[Action]],
+    sends: Mapping[tuple, list[Ref]],
+    recvs: Mapping[tuple, list[Ref]],
+) -> None:
+    """Name a send and a receive of one microbatch between the same two ranks that disagree
+    on the shape key.  They sit on different channels, so first-in-first-out pairing alone
+    would only see later messages drift apart and blame the wrong pair."""
+
+    def spare(refs: list[Ref], others: list[Ref]) -> list[Ref]:
+        """The ends in ``refs`` whose microbatch ``others`` (the same channel) lacks."""
+        extra = Counter(programs[r][i].microbatch for r, i in refs)
+        extra.subtract(programs[r][i].microbatch for r, i in others)
+        found = []
+        for r, i in refs:
+            if extra[programs[r][i].microbatch] > 0:
+                extra[programs[r][i].microbatch] -= 1
+                found.append((r, i))
+        return found
+
+    hops: dict[tuple, tuple[list[Ref], list[Ref]]] = defaultdict(lambda: ([], []))
+    for channel in sorted(set(sends) | set(recvs), key=repr):
+        src, dst, kind, _ = channel
+        out, into = sends.get(channel, []), recvs.get(channel, [])
+        for side, ends in ((0, spare(out, into)), (1, spare(into, out))):
+            for ref in ends:
+                hops[(src, dst, kind, programs[ref[0]][ref[1]].microbatch)][side].append(ref)
+    for (src, dst, _, m), (out, into) in sorted(hops.items(), key=repr):
+        if out and into:
+            sent, wanted = programs[out[0][0]][out[0][1]].key, programs[into[0][0]][into[0][1]].key
+            raise ScheduleError(
+                f"r{src}->r{dst} mb{m}: shape key mismatch, {describe(programs, out[0])} "
+                f"sends [{sent}] but {describe(programs, into[0])} expects [{wanted}]"
+            )
+
+
 def _pair_pool(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref]) -> None:
     ends: dict[tuple[str, int | None], dict[Kind, list[Ref]]] = defaultdict(lambda: defaultdict(list))
     for rank, program in programs.items():
@@ -83,6 +121,12 @@ def _pair_pool(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref]
             raise ScheduleError(f"{describe(programs, puts[0])} is never taken from the pool")
         if not puts:
             raise ScheduleError(f"{describe(programs, gets[0])} waits for a put nobody makes")
+        for ref, other in ((puts[0], gets[0]), (gets[0], puts[0])):
+            if programs[ref[0]][ref[1]].peer != other[0]:
+                raise ScheduleError(
+                    f"{describe(programs, ref)}: [{key}] mb{m} is pooled between this rank and "
+                    f"rank {other[0]} ({describe(programs, other)}), not r{programs[ref[0]][ref[1]].peer}"
+                )
         partner[puts[0]], partner[gets[0]] = gets[0], puts[0]
 
 
