@@ -21,7 +21,7 @@ from mindspeed_flow.schedule import (
     validate,
 )
 from mindspeed_flow.schedule.actions import COMPUTE
-from mindspeed_flow.schedule.seams import SEAM_TABLE
+from mindspeed_flow.schedule.seams import P2P, SEAM_TABLE, SeamRule
 from mindspeed_flow.schedule.skeletons import DECOUPLED, SHARDED, TRANSPOSED
 
 
@@ -102,6 +102,23 @@ def test_seam_table_has_a_rule_for_every_pair_that_can_meet():
     missing = {(a, b) for a in layouts for b in layouts} - set(SEAM_TABLE)
     assert missing == {(TRANSPOSED, TRANSPOSED)}  # equal skeletons merge into one segment
     assert all(rule.transport == "pool" for pair, rule in SEAM_TABLE.items() if DECOUPLED in pair)
+
+
+def test_compose_takes_transports_and_hosts_from_the_seam_table(monkeypatch):
+    head = [Region("llm", 4, OneFOneB(stages=2)), Region("head", 1, Decoupled(ranks=1))]
+    assert {Kind.POOL_PUT, Kind.POOL_GET} <= set(kinds(compose(head, 2), 2))
+    # one edit of the table turns every pool transfer at that seam into send/receive
+    monkeypatch.setitem(SEAM_TABLE, (SHARDED, DECOUPLED), SeamRule(P2P))
+    plan = compose(head, 2)
+    assert set(kinds(plan, 2)) == {Kind.RECV_ACT, Kind.FORWARD, Kind.BACKWARD, Kind.SEND_GRAD}
+    validate(plan, semantics="rendezvous")
+    # a transposed region runs where the table says, or nowhere
+    monkeypatch.setitem(SEAM_TABLE, (SHARDED, TRANSPOSED), SeamRule(P2P))
+    with pytest.raises(ScheduleError, match="transposed region 'head' has no sharded neighbour"):
+        compose([Region("llm", 4, OneFOneB(stages=2)), Region("head", 1, Transpose())], 2)
+    monkeypatch.delitem(SEAM_TABLE, (TRANSPOSED, SHARDED))
+    with pytest.raises(ScheduleError, match="no seam rule for transposed -> sharded"):
+        compose([Region("vit", 2, Transpose()), Region("llm", 4, OneFOneB(stages=2))], 2)
 
 
 def test_megatron_style_vit_inside_stage_zero():
