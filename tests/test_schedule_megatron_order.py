@@ -52,22 +52,16 @@ def _record_orders(rank: int, world_size: int, counts: tuple[int, ...]) -> dict:
 
 @contextmanager
 def _virtual_parallel(pipeline_parallel_size: int):
+    """The harness's model-parallel state plus ``CHUNKS`` virtual stages: what
+    ``initialize_model_parallel(virtual_pipeline_model_parallel_size=CHUNKS)`` adds (in
+    megatron-core 0.12 and 0.16), and ``destroy_model_parallel`` clears again."""
     from megatron.core import parallel_state
+    from megatron_cpu_harness import megatron_parallel
 
-    from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
-
-    shims = enable_cpu_shims()
-    try:
-        parallel_state.initialize_model_parallel(
-            pipeline_model_parallel_size=pipeline_parallel_size,
-            virtual_pipeline_model_parallel_size=CHUNKS,
-        )
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-    finally:
-        shims.remove()
+    with megatron_parallel(pipeline_parallel_size):
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(CHUNKS)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+        yield
 
 
 def _interleaved_events(world_size: int, count: int) -> list[str]:
