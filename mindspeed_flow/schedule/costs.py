@@ -35,6 +35,8 @@ class Jitter:
         return (1 - self.spike_prob) * (self.low + self.high) / 2 + self.spike_prob * self.spike
 
     def sample(self, microbatch: int) -> float:
+        """The forward time of ``microbatch``, seeded by (seed, microbatch) so it does not
+        depend on the order in which the simulator asks."""
         rng = random.Random(f"{self.seed}:{microbatch}")
         if rng.random() < self.spike_prob:
             return self.spike

@@ -41,6 +41,9 @@ def step_end(program: Sequence[Action], start: int) -> int:
 
 
 def execute(programs: Mapping[int, Sequence[Action]], pairing: Pairing, semantics: str) -> Outcome:
+    """Advance every rank as far as ``semantics`` lets it; the outcome says where each
+    stopped.  Ranks are swept until a sweep moves none: the order of the sweep cannot change
+    the end state, because a step that may complete stays completable."""
     rendezvous = semantics == "rendezvous"
     pc = {rank: 0 for rank in programs}
     posted: set[Ref] = set()

@@ -21,6 +21,7 @@ _LABEL = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.BACKWARD_INPUT: "I (input 
 
 
 def draw(result: SimResult, path: Path, title: str | None = None) -> Path:
+    """Write the chart of ``result`` to ``path`` (PNG, headless backend); returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")

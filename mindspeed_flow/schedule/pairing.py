@@ -39,6 +39,7 @@ def pair(programs: Mapping[int, Sequence[Action]]) -> Pairing:
 
 
 def describe(programs: Mapping[int, Sequence[Action]], ref: Ref) -> str:
+    """How every error message names an action: its rank, its index and its text."""
     rank, i = ref
     return f"rank {rank} action #{i} `{programs[rank][i]}`"
 

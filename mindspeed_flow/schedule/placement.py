@@ -201,6 +201,8 @@ def _place(groups: list[Group]) -> list[Group]:
 
 
 def _host(groups: list[Group], i: int) -> int:
+    """Index of the group whose ranks transposed group ``i`` runs on: the neighbour (right
+    first) whose seam rule says it hosts transposed regions."""
     for j, side in ((i + 1, "right"), (i - 1, "left")):
         if 0 <= j < len(groups):
             pair = (groups[i].layout, groups[j].layout) if side == "right" else (

@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from .actions import COMPUTE
 from .compose import compose
@@ -207,6 +207,6 @@ def _need(mapping: Mapping[str, Any], *keys: str) -> Any:
     return value
 
 
-def _mean(values) -> float:
+def _mean(values: Iterable[float]) -> float:
     values = list(values)
     return sum(values) / len(values)
