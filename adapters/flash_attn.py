@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from mindspeed_flow.attention.backends import VarlenBackend, register_backend
+from mindspeed_flow.attention.backends import VarlenBackend, register_backend, require_runnable
 from mindspeed_flow.attention.segments import Window, lengths
 
 # ``window_size`` (sliding windows) and bottom-right causal alignment came with 2.3 / 2.1.
@@ -76,9 +76,7 @@ def flash_varlen(
     dropout_p: float,
 ) -> torch.Tensor:
     """Run ``flash_attn_varlen_func``; returns ``[Tq, Hq, Dv]``."""
-    reason = missing()
-    if reason is not None:
-        raise RuntimeError(f"flash-attn varlen attention unavailable: {reason}")
+    require_runnable("flash-attn varlen attention", missing(), q.device, "cuda")
     flash_attn = importlib.import_module("flash_attn")
     args = flash_varlen_args(offsets_q, offsets_k, causal, scale, window, dropout_p, q.device)
     return flash_attn.flash_attn_varlen_func(q, k, v, **args)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from mindspeed_flow.attention.backends import VarlenBackend, register_backend
+from mindspeed_flow.attention.backends import VarlenBackend, register_backend, require_runnable
 from mindspeed_flow.attention.segments import Window, actual_seq_lens
 
 # Side of the compressed causal / band mask the kernel expects for sparse modes 2, 3, 4.
@@ -101,12 +101,8 @@ def npu_varlen(
     dropout_p: float,
 ) -> torch.Tensor:
     """Run ``npu_fusion_attention`` in TND layout; returns ``[Tq, Hq, Dv]``."""
-    reason = missing()
-    if reason is not None:
-        raise RuntimeError(f"NPU varlen attention unavailable: {reason}")
+    require_runnable("NPU varlen attention", missing(), q.device, "npu")
     torch_npu = importlib.import_module("torch_npu")
-    if q.device.type != "npu":
-        raise RuntimeError(f"the NPU varlen backend needs tensors on an NPU, got device {q.device}")
     args = npu_fusion_attention_args(offsets_q, offsets_k, q.shape[1], causal, scale, window, dropout_p)
     if args["atten_mask"] == "compressed":
         args["atten_mask"] = compressed_mask(q.device)

@@ -19,6 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mindspeed_flow.adapters import flash_attn as flash_adapter
+from mindspeed_flow.adapters import torch_npu as npu_adapter
 from mindspeed_flow.adapters.flash_attn import flash_varlen_args
 from mindspeed_flow.adapters.torch_npu import COMPRESSED_MASK_SIZE, UNBOUNDED, compressed_mask, npu_fusion_attention_args
 from mindspeed_flow.attention import select_backend, varlen_attention
@@ -210,6 +212,21 @@ def test_backend_selection_falls_back_to_sdpa_without_device_kernels():
     assert select_backend("cuda").name == "sdpa"  # flash-attn absent here: degrade, not fail
     with pytest.raises(RuntimeError, match="flash-attn"):
         select_backend("cuda", "flash_attn")
+
+
+@pytest.mark.parametrize("adapter, kernel, library, device",
+                         [(npu_adapter, npu_adapter.npu_varlen, "torch_npu", "npu"),
+                          (flash_adapter, flash_adapter.flash_varlen, "flash-attn", "cuda")])
+def test_device_kernels_called_directly_name_what_is_missing(monkeypatch, adapter, kernel, library, device):
+    q, k, v = random_qkv(4, 4, 2, 2, 4, seed=7)
+    call = (q, k, v, [0, 4], [0, 4], True, 0.5, (-1, 0), 0.0)
+    with pytest.raises(RuntimeError, match=f"unavailable: {library}"):
+        kernel(*call)
+    # Stand-in for an installed library (neither can be installed here): CPU tensors are
+    # then refused by name, before the kernel's module is imported.
+    monkeypatch.setattr(adapter, "missing", lambda: None)
+    with pytest.raises(RuntimeError, match=f"needs tensors on a {device} device, got device cpu"):
+        kernel(*call)
 
 
 # --- argument translation of the device kernels (pure functions; the kernels cannot run here)

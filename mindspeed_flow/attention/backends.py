@@ -45,6 +45,16 @@ class VarlenBackend:
 _BACKENDS: dict[str, VarlenBackend] = {}
 
 
+def require_runnable(kernel: str, reason: Optional[str], device: torch.device, device_type: str) -> None:
+    """Raise before a device kernel is imported or called: with ``reason`` (its
+    ``missing()``) when it cannot run here, or when the tensors are not on its device, so a
+    direct call fails with the cause instead of deep inside the kernel."""
+    if reason is not None:
+        raise RuntimeError(f"{kernel} unavailable: {reason}")
+    if device.type != device_type:
+        raise RuntimeError(f"{kernel} needs tensors on a {device_type} device, got device {device}")
+
+
 def register_backend(backend: VarlenBackend) -> None:
     """Add or replace a backend (re-importing an adapter re-registers the same name)."""
     _BACKENDS[backend.name] = backend
