@@ -11,7 +11,8 @@ Every ratio is computed from baselines measured in the same run:
   - ``varlen``: :func:`mindspeed_flow.attention.varlen_attention` (SDPA per segment here).
   LLM layers are causal; ViT layers are bidirectional over image-patch segments.
   8K packs run forward+backward, 32K packs forward only (the dense backward at 32K takes
-  minutes on 2 cores).
+  minutes on 2 cores); packs larger than ``--backward-up-to`` run the LLM mix only (the
+  dense side costs the same for the ViT mix), so raise it to get the ViT pack at 32K.
 * patch embedding: Qwen2-VL's Conv3d(3, 1280, [2, 14, 14]) vs PatchEmbedMatmul on the same
   weights and pixels, forward and forward+backward.
 
