@@ -36,7 +36,6 @@ def npu_fusion_attention_args(
     offsets_q: list[int],
     offsets_k: list[int],
     num_heads: int,
-    causal: bool,
     scale: float,
     window: Window,
     dropout_p: float,
@@ -45,7 +44,7 @@ def npu_fusion_attention_args(
 
     ``atten_mask`` is ``"compressed"`` where the kernel needs its 2048 x 2048
     upper-triangular mask, else ``None``; :func:`npu_varlen` puts the tensor in.
-    ``window`` is already normalised (causal folded into ``right``).
+    ``window`` is already normalised: causal is ``right == 0``, so the mode follows from it.
     """
     left, right = window
     args: dict[str, Any] = {
@@ -103,7 +102,7 @@ def npu_varlen(
     """Run ``npu_fusion_attention`` in TND layout; returns ``[Tq, Hq, Dv]``."""
     require_runnable("NPU varlen attention", missing(), q.device, "npu")
     torch_npu = importlib.import_module("torch_npu")
-    args = npu_fusion_attention_args(offsets_q, offsets_k, q.shape[1], causal, scale, window, dropout_p)
+    args = npu_fusion_attention_args(offsets_q, offsets_k, q.shape[1], scale, window, dropout_p)
     if args["atten_mask"] == "compressed":
         args["atten_mask"] = compressed_mask(q.device)
     return torch_npu.npu_fusion_attention(q, k, v, **args)[0]

@@ -233,7 +233,7 @@ def test_device_kernels_called_directly_name_what_is_missing(monkeypatch, adapte
 
 def test_npu_args_causal_uses_compressed_mask_and_cumulative_ends():
     offs = offsets([2, 4, 6], 6)
-    args = npu_fusion_attention_args(offs, offs, 8, True, 0.125, (-1, 0), 0.1)
+    args = npu_fusion_attention_args(offs, offs, 8, 0.125, (-1, 0), 0.1)
     assert args["input_layout"] == "TND" and args["head_num"] == 8
     assert args["actual_seq_qlen"] == [2, 4, 6] == args["actual_seq_kvlen"]
     assert args["sparse_mode"] == 3 and args["atten_mask"] == "compressed"
@@ -242,12 +242,12 @@ def test_npu_args_causal_uses_compressed_mask_and_cumulative_ends():
 
 def test_npu_args_full_and_band():
     offs = [0, 5, 9]
-    full = npu_fusion_attention_args(offs, offs, 2, False, 1.0, (-1, -1), 0.0)
+    full = npu_fusion_attention_args(offs, offs, 2, 1.0, (-1, -1), 0.0)
     assert full["sparse_mode"] == 0 and full["atten_mask"] is None
     assert full["pre_tockens"] == full["next_tockens"] == UNBOUNDED
-    band = npu_fusion_attention_args(offs, offs, 2, True, 1.0, (64, 0), 0.0)
+    band = npu_fusion_attention_args(offs, offs, 2, 1.0, (64, 0), 0.0)
     assert (band["sparse_mode"], band["pre_tockens"], band["next_tockens"]) == (4, 64, 0)
-    wide = npu_fusion_attention_args(offs, offs, 2, False, 1.0, (-1, 3), 0.0)
+    wide = npu_fusion_attention_args(offs, offs, 2, 1.0, (-1, 3), 0.0)
     assert (wide["sparse_mode"], wide["pre_tockens"], wide["next_tockens"]) == (4, UNBOUNDED, 3)
 
 

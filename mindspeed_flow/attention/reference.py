@@ -41,12 +41,12 @@ def segment_mask(
     return allowed
 
 
-def _starts_and_lengths(offs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+def _starts_and_lengths(offs: list[int], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.tensor(offs[:-1], device=device, dtype=torch.long)
     return starts, torch.tensor(offs[1:], device=device, dtype=torch.long) - starts
 
 
-def _segment_ids(offs: list[int], device) -> torch.Tensor:
+def _segment_ids(offs: list[int], device: torch.device | str) -> torch.Tensor:
     _, lens = _starts_and_lengths(offs, device)
     return torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
 

@@ -6,7 +6,8 @@ piece.  No mask spanning the pack is built: plain causal segments use SDPA's
 ``is_causal`` (the CPU flash kernel, which materialises nothing), and a mask is built only
 for a sliding window or unequal query/key lengths, one query block at a time
 (``BLOCK`` rows by the keys that block can reach), so its size is bounded by the block and
-the window, never by the pack.
+the window (by the segment when the window is unbounded on one side), never by the pack;
+``tests/test_attention_varlen.py`` checks that no op returns a tensor of ``[T, T]`` size.
 
 FlexAttention was not used: without ``torch.compile`` (no compiler on the target hosts)
 it runs an eager reference path that materialises the scores; measured here (torch 2.13,
@@ -56,7 +57,7 @@ def sdpa_varlen(
             continue
         out = _attend(
             _batch(parts_q, members), _batch(parts_k, members), _batch(parts_v, members),
-            causal, scale, window, dropout_p,
+            scale, window, dropout_p,
         ).transpose(1, 2)  # [n, lq, H, Dv]
         for row, index in enumerate(members):
             outs[index] = out[row]
@@ -69,8 +70,13 @@ def _batch(parts: tuple[torch.Tensor, ...], members: list[int]) -> torch.Tensor:
     return batch.transpose(1, 2)
 
 
-def _attend(q, k, v, causal: bool, scale: float, window: Window, dropout_p: float) -> torch.Tensor:
-    """[n, H, lq, D] x [n, Hk, lk, D] -> [n, H, lq, Dv] for one group of equal-length segments."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: Window, dropout_p: float
+) -> torch.Tensor:
+    """[n, H, lq, D] x [n, Hk, lk, D] -> [n, H, lq, Dv] for one group of equal-length segments.
+
+    Causality arrives folded into ``window`` (``right == 0``), see ``normalize_window``.
+    """
     lq, lk = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if lk == 0:
@@ -87,7 +93,10 @@ def _attend(q, k, v, causal: bool, scale: float, window: Window, dropout_p: floa
     return torch.cat(blocks, dim=-2)
 
 
-def _attend_block(q, k, v, r0: int, r1: int, window: Window, scale: float, dropout_p: float, gqa: bool):
+def _attend_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r0: int, r1: int, window: Window, scale: float,
+    dropout_p: float, gqa: bool,
+) -> torch.Tensor:
     """Query rows ``r0:r1`` against only the keys their window can reach."""
     lq, lk = q.shape[-2], k.shape[-2]
     shift = lk - lq  # bottom-right alignment: query i sits at key position i + shift
