@@ -7,7 +7,8 @@ aligned causal masking and ``(left, right)`` windows, the same conventions as
 :func:`mindspeed_flow.attention.varlen_attention`.  ``flash_varlen_args`` is the pure
 translation (tested on CPU); ``flash_varlen`` is registered as the ``"flash_attn"`` backend
 for CUDA tensors when this module is imported, and imports ``flash_attn`` only when called.
-Without flash-attn, CUDA tensors fall back to SDPA per segment.
+Without flash-attn, and for fp32 inputs (flash-attn takes fp16 and bf16 only), CUDA
+tensors fall back to SDPA per segment.
 """
 
 from __future__ import annotations
@@ -83,5 +84,6 @@ def flash_varlen(
 
 
 register_backend(
-    VarlenBackend(name="flash_attn", device_types=("cuda",), fn=flash_varlen, missing=missing)
+    VarlenBackend(name="flash_attn", device_types=("cuda",), fn=flash_varlen, missing=missing,
+                  dtypes=(torch.float16, torch.bfloat16))
 )

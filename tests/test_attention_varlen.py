@@ -23,7 +23,8 @@ from mindspeed_flow.adapters import flash_attn as flash_adapter
 from mindspeed_flow.adapters import torch_npu as npu_adapter
 from mindspeed_flow.adapters.flash_attn import flash_varlen_args
 from mindspeed_flow.adapters.torch_npu import COMPRESSED_MASK_SIZE, UNBOUNDED, compressed_mask, npu_fusion_attention_args
-from mindspeed_flow.attention import select_backend, varlen_attention
+from mindspeed_flow.attention import VarlenBackend, select_backend, varlen_attention
+from mindspeed_flow.attention import backends as backends_module
 from mindspeed_flow.attention import sdpa as sdpa_module
 from mindspeed_flow.attention.reference import dense_attention, segment_mask
 from mindspeed_flow.attention.segments import offsets
@@ -212,6 +213,18 @@ def test_backend_selection_falls_back_to_sdpa_without_device_kernels():
     assert select_backend("cuda").name == "sdpa"  # flash-attn absent here: degrade, not fail
     with pytest.raises(RuntimeError, match="flash-attn"):
         select_backend("cuda", "flash_attn")
+
+
+def test_a_kernel_that_does_not_take_the_dtype_yields_to_the_fallback(monkeypatch):
+    # Stand-in for flash-attn on a CUDA host (neither exists here): runnable, bf16/fp16 only.
+    stand_in = VarlenBackend(name="half_only", device_types=("cuda",), fn=lambda *a: None,
+                             dtypes=(torch.float16, torch.bfloat16))
+    monkeypatch.setitem(backends_module._BACKENDS, "half_only", stand_in)
+    assert select_backend("cuda", dtype=torch.bfloat16) is stand_in
+    assert select_backend("cuda", dtype=torch.float32).name == "sdpa"
+    with pytest.raises(RuntimeError, match="not torch.float32"):
+        select_backend("cuda", "half_only", torch.float32)
+    assert backends_module._BACKENDS["flash_attn"].dtypes == (torch.float16, torch.bfloat16)
 
 
 @pytest.mark.parametrize("adapter, kernel, library, device",

@@ -34,12 +34,22 @@ class VarlenBackend:
         fn: the kernel call, see ``BackendFn``.
         missing: returns why the backend cannot run here (library not installed, ...), or
             ``None`` when it can.  Asked at call time, never at import.
+        dtypes: the input dtypes the kernel takes (flash-attn: fp16 and bf16 only), or
+            ``None`` for any; other dtypes go to the fallback instead of failing in it.
     """
 
     name: str
     device_types: tuple[str, ...]
     fn: BackendFn
     missing: Callable[[], Optional[str]] = lambda: None
+    dtypes: Optional[tuple[torch.dtype, ...]] = None
+
+    def unusable(self, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+        """Why this backend cannot serve inputs of ``dtype`` here, or ``None``."""
+        reason = self.missing()
+        if reason is None and dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            reason = f"it takes {', '.join(map(str, self.dtypes))} inputs, not {dtype}"
+        return reason
 
 
 _BACKENDS: dict[str, VarlenBackend] = {}
@@ -60,13 +70,16 @@ def register_backend(backend: VarlenBackend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def select_backend(device_type: str, name: Optional[str] = None) -> VarlenBackend:
-    """The backend for tensors on ``device_type``, or the one called ``name``.
+def select_backend(
+    device_type: str, name: Optional[str] = None, dtype: Optional[torch.dtype] = None
+) -> VarlenBackend:
+    """The backend for tensors of ``dtype`` on ``device_type``, or the one called ``name``.
 
     A named backend that cannot run raises with its reason.  Without a name, the first
     registered backend dedicated to the device type that can run is used, else the
     fallback (SDPA per segment); a device kernel that is registered but cannot run (CUDA
-    without flash-attn) therefore degrades to SDPA instead of failing.
+    without flash-attn, or fp32 inputs flash-attn does not take) therefore degrades to
+    SDPA instead of failing.
     """
     if name is not None:
         if name not in _BACKENDS:
@@ -75,14 +88,14 @@ def select_backend(device_type: str, name: Optional[str] = None) -> VarlenBacken
                 "(device backends register when mindspeed_flow.adapters.torch_npu / .flash_attn are imported)"
             )
         backend = _BACKENDS[name]
-        reason = backend.missing()
+        reason = backend.unusable(dtype)
         if reason is not None:
             raise RuntimeError(f"varlen attention backend {name!r} cannot run: {reason}")
         return backend
     for backend in _BACKENDS.values():
-        if device_type in backend.device_types and backend.missing() is None:
+        if device_type in backend.device_types and backend.unusable(dtype) is None:
             return backend
     for backend in _BACKENDS.values():
-        if "*" in backend.device_types and backend.missing() is None:
+        if "*" in backend.device_types and backend.unusable(dtype) is None:
             return backend
     raise RuntimeError(f"no varlen attention backend can run on device type {device_type!r}")

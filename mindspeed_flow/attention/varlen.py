@@ -72,5 +72,5 @@ def varlen_attention(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    chosen = select_backend(q.device.type, backend)
+    chosen = select_backend(q.device.type, backend, q.dtype)
     return chosen.fn(q, k, v, offs_q, offs_k, causal, scale, normalize_window(window, causal), dropout_p)
