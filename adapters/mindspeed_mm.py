@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from mindspeed_flow.attention.patch_embed import replace_conv
+from mindspeed_flow.attention.segments import lengths, offsets
 
 # packed_seq_params of the VLMModel.forward call in progress (None outside a packed call).
 _PACKED: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("flow_packed_seq_params", default=None)
@@ -62,8 +63,6 @@ def _with_argument(args: tuple, kwargs: dict, names: Sequence[str], name: str, v
 def packed_seq_params(cu_seqlens: Any) -> Any:
     """Megatron ``PackedSeqParams`` (THD) for a pack whose segments end at ``cu_seqlens``."""
     from megatron.core.packed_seq_params import PackedSeqParams
-
-    from mindspeed_flow.attention.segments import lengths, offsets
 
     cu = torch.as_tensor(cu_seqlens).flatten()
     offs = offsets(cu, int(cu[-1]))
