@@ -34,9 +34,10 @@ def source_version(root: Path) -> str:
 
 def check_sources(patches: Sequence[Patch], roots: Sequence[Path]) -> list[PatchStatus]:
     """Each patch against the first checkout that holds its module."""
+    versions = {root: source_version(root) for root in roots}  # one git call per checkout
     rows = []
     for patch in patches:
-        results = [check_source(patch, [root], source_version(root)) for root in roots]
+        results = [check_source(patch, [root], versions[root]) for root in roots]
         rows.append(next((r for r in results if r.status != "not installed"), results[0]))
     return rows
 
