@@ -9,6 +9,14 @@ for a sliding window or unequal query/key lengths, one query block at a time
 the window (by the segment when the window is unbounded on one side), never by the pack;
 ``tests/test_attention_varlen.py`` checks that no op returns a tensor of ``[T, T]`` size.
 
+Dropout: PyTorch's CPU flash kernel has no dropout, so SDPA with ``dropout_p > 0`` on CPU
+falls back to its math kernel, which materialises the ``[n, H, L, L]`` scores of a whole
+segment (4 heads x one 8k segment: +3.1 GB).  On CPU a dropout call therefore goes one
+query block at a time, each block under activation checkpointing (the RNG state is
+replayed, so the recomputed dropout mask is the same): forward and backward hold the
+scores of one ``BLOCK x L`` block, never of the segment.  Devices with a fused dropout
+kernel (CUDA) call SDPA on the whole segment.
+
 FlexAttention was not used: without ``torch.compile`` (no compiler on the target hosts)
 it runs an eager reference path that materialises the scores; measured here (torch 2.13,
 4 heads x 4096 tokens, document-causal block mask) it took 5.4 s and 919 MB where this
@@ -21,6 +29,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .segments import Window, lengths
 
@@ -82,6 +91,8 @@ def _attend(
     if lk == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
     left, right = window
+    if dropout_p > 0.0 and q.device.type == "cpu":
+        return _attend_blocks_checkpointed(q, k, v, window, scale, dropout_p, gqa)
     if left == -1 and right == -1:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     if left == -1 and right == 0 and lq == lk:
@@ -90,6 +101,20 @@ def _attend(
         )
     blocks = [_attend_block(q, k, v, r0, min(r0 + BLOCK, lq), window, scale, dropout_p, gqa)
               for r0 in range(0, lq, BLOCK)]
+    return torch.cat(blocks, dim=-2)
+
+
+def _attend_blocks_checkpointed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Window, scale: float, dropout_p: float, gqa: bool
+) -> torch.Tensor:
+    """Dropout on CPU: query blocks whose math-kernel scores are recomputed in backward
+    (same RNG state, same dropout mask) instead of kept for the whole segment."""
+    lq = q.shape[-2]
+    blocks = [
+        checkpoint(_attend_block, q, k, v, r0, min(r0 + BLOCK, lq), window, scale, dropout_p, gqa,
+                   use_reentrant=False)
+        for r0 in range(0, lq, BLOCK)
+    ]
     return torch.cat(blocks, dim=-2)
 
 

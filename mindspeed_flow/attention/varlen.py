@@ -48,11 +48,14 @@ def varlen_attention(
         window: ``(left, right)`` sliding window, ``-1`` = unbounded (flash-attn's
             ``window_size``).  Qwen2.5-VL's windowed ViT layers need no window here: their
             windows are segments of ``cu_window_seqlens``.
-        dropout_p: attention dropout; pass 0 outside training.
+        dropout_p: attention dropout; pass 0 outside training.  On CPU it runs one query
+            block at a time under checkpointing (see :mod:`.sdpa`), never on whole-segment
+            scores.
         backend: force ``"sdpa"``, ``"npu"`` or ``"flash_attn"``; default: by device.
 
     Returns:
-        ``[Tq, Hq, Dv]``; a query row that can see no key is 0.
+        ``[Tq, Hq, Dv]``; a query row that can see no key is 0; an empty pack
+        (``cu_seqlens=[0]``, no tokens) gives an empty result.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
@@ -71,6 +74,17 @@ def varlen_attention(
         )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return _no_attention(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     chosen = select_backend(q.device.type, backend, q.dtype)
     return chosen.fn(q, k, v, offs_q, offs_k, causal, scale, normalize_window(window, causal), dropout_p)
+
+
+def _no_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The result when there are no queries or no keys (an empty pack): ``[Tq, Hq, Dv]`` of
+    zeros, decided here rather than by a kernel (``torch.cat`` of no segments raises; the
+    device kernels' behaviour on T = 0 is undocumented).  Kept in the autograd graph so a
+    backward through an empty pack gives zero gradients instead of failing."""
+    anchor = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
+    return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + anchor
