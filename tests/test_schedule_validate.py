@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from mindspeed_flow.schedule import (
+    Action,
     Decoupled,
     Kind,
     OneFOneB,
@@ -189,3 +190,152 @@ def test_eager_programs_with_early_sends_deadlock_under_blocking_sends():
 def test_unknown_semantics():
     with pytest.raises(ScheduleError, match="semantics must be one of"):
         validate(one_f_one_b(), semantics="magic")
+
+
+# --------------------------------------------------------------------------- collectives (issue 13)
+
+
+def transposed_vit(trainable=True, window=None):
+    """A ViT replicated over the four ranks of a 1F1B LLM: four replicas."""
+    return compose([Region("vit", 2, Transpose(max_in_flight=window), trainable=trainable),
+                    Region("llm", 4, OneFOneB(stages=4))], 8)
+
+
+def rewritten(plan, rewrite):
+    """The plan with ``rewrite(rank, list_of_actions)`` applied to every rank's program."""
+    programs = {}
+    for rank, program in plan.programs.items():
+        program = list(program)
+        rewrite(rank, program)
+        programs[rank] = tuple(program)
+    return dataclasses.replace(plan, programs=programs)
+
+
+def without_collectives(rank, program):
+    program[:] = [a for a in program if a.kind not in (Kind.PARAM_BROADCAST, Kind.GRAD_REDUCE)]
+
+
+def test_replicated_trainable_region_without_broadcast_and_reduce():
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 has no gradient reduce of trainable replicated region 'vit': "
+            r"expected one `REDUCE vit.s0 group=\[0, 1, 2, 3\]` after its last backward")):
+        validate(rewritten(transposed_vit(), without_collectives))
+
+
+def test_reduce_over_part_of_the_replicas():
+    def only_ranks_0_and_1(rank, program):
+        if rank < 2:
+            program[-1] = dataclasses.replace(program[-1], group=(0, 1))
+        else:
+            program.pop()
+
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 action #\d+ `REDUCE vit.s0 group=\[0, 1\]`: group \[0, 1\] is not the replica "
+            r"group \[0, 1, 2, 3\] of region 'vit'")):
+        validate(rewritten(transposed_vit(), only_ranks_0_and_1))
+
+
+def test_a_frozen_replicated_region_has_no_collectives():
+    def reduce_frozen(rank, program):
+        program.append(Action(Kind.GRAD_REDUCE, "vit", group=(0, 1, 2, 3)))
+
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 action #\d+ `REDUCE vit.s0 group=\[0, 1, 2, 3\]`: region 'vit' is frozen: "
+            r"its replicas have no gradient reduce")):
+        validate(rewritten(transposed_vit(trainable=False), reduce_frozen))
+
+
+def test_no_reduce_across_pipeline_stages():
+    def reduce_llm(rank, program):
+        program.append(Action(Kind.GRAD_REDUCE, "llm", group=(0, 1, 2, 3)))
+
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 action #\d+ `REDUCE llm.s0 group=\[0, 1, 2, 3\]`: region 'llm' is sharded "
+            r"\(one copy of each layer\): no gradient reduce across its pipeline stages")):
+        validate(rewritten(transposed_vit(), reduce_llm))
+
+
+def test_a_single_replica_has_no_collectives():
+    plan = compose([Region("vit", 2, Decoupled(ranks=1)), Region("llm", 4, OneFOneB(stages=2))], 2)
+    broadcast = Action(Kind.PARAM_BROADCAST, "vit", group=(0,))
+    with pytest.raises(ScheduleError, match=r"region 'vit' has a single replica: there is nothing to bcast"):
+        validate(edited(plan, 0, lambda p: p.insert(0, broadcast)))
+
+
+def test_a_collective_twice_on_a_member():
+    plan = transposed_vit()
+    with pytest.raises(ScheduleError, match=r"rank 0 action #\d+ `REDUCE vit.s0 .*`: rank 0 runs .* 2 times, expected once per step"):
+        validate(rewritten(plan, lambda rank, p: p.append(p[-1])))
+
+
+@pytest.mark.parametrize("semantics", ["eager", "rendezvous"])
+def test_reduce_before_the_last_backward_on_every_member(semantics):
+    def reduce_first(rank, program):
+        program.insert(1, program.pop())  # right after the broadcast
+
+    plan = compose([Region("vit", 2, Transpose()), Region("llm", 4, OneFOneB(stages=4))], 8, semantics=semantics)
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 action #1 `REDUCE vit.s0 group=\[0, 1, 2, 3\]`: the gradient reduce comes before "
+            r"rank 0 action #\d+ `B      vit.s0 mb4`; it must follow the region's last backward")):
+        validate(rewritten(plan, reduce_first), semantics=semantics)
+
+
+def test_broadcast_after_the_first_forward_on_every_member():
+    def broadcast_late(rank, program):
+        program.insert(len(program) - 1, program.pop(0))  # just before the reduce
+
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 action #\d+ `BCAST  vit.s0 group=\[0, 1, 2, 3\]`: the parameter broadcast comes "
+            r"after rank 0 action #0 `F      vit.s0 mb0`; it must precede the region's first forward")):
+        validate(rewritten(transposed_vit(), broadcast_late))
+
+
+def test_plan_claiming_a_window_its_programs_do_not_keep():
+    unbounded = transposed_vit(window=None)
+    claimed = dataclasses.replace(unbounded, regions=transposed_vit(window=1).regions)
+    validate(transposed_vit(window=1))
+    with pytest.raises(ScheduleError, match=(
+            r"rank \d action #\d+ `F      vit.s0 mb\d`: rank \d would hold 2 microbatches in flight "
+            r"\[\d, \d\], more than max_in_flight=1 of Transpose")):
+        validate(claimed)
+
+
+def test_a_dropped_receive_is_named_not_the_fifo_drift_it_causes():
+    broken = dropped(one_f_one_b(), 1, "RECV_A llm.s1 mb1")
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 action #\d+ `SEND_A llm.s0 mb1 -> r1 \[llm.s0:act\]` has no matching receive on "
+            r"rank 1: missing `RECV_A llm.s1 mb1 <- r0 \[llm.s0:act\]`")):
+        validate(broken)
+
+
+def test_a_dropped_send_is_named():
+    broken = dropped(one_f_one_b(), 1, "SEND_G llm.s1 mb0")
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 action #\d+ `RECV_G llm.s0 mb0 <- r1 \[llm.s0:grad\]` has no matching send on "
+            r"rank 1: missing `SEND_G llm.s1 mb0 -> r0 \[llm.s0:grad\]`")):
+        validate(broken)
+
+
+def test_no_composed_replicated_plan_is_rejected():
+    """The collective and window checks accept everything compose makes: every replicated
+    layout, replica count, window, trainable bits, microbatch count and semantics."""
+    checked = 0
+    for encoder in (Transpose, Decoupled):
+        for replicas in ((2, 3) if encoder is Decoupled else (1, 3)):
+            for window in (None, 1, 2):
+                for trainable in ((True, True), (True, False), (False, True)):
+                    for microbatches in (1, 2, 5):
+                        skeleton = (Decoupled(ranks=replicas, max_in_flight=window) if encoder is Decoupled
+                                    else Transpose(max_in_flight=window))
+                        regions = [Region("vit", 2, skeleton, trainable=trainable[0]),
+                                   Region("proj", 1, skeleton, trainable=trainable[1]),
+                                   Region("llm", 4, OneFOneB(stages=replicas))]
+                        for semantics in ("eager", "rendezvous"):
+                            try:
+                                plan = compose(regions, microbatches, semantics=semantics)
+                            except ScheduleError as error:  # a window too small to order
+                                assert "cannot be merged" in str(error)
+                                continue
+                            validate(plan)
+                            checked += 1
+    assert checked > 100

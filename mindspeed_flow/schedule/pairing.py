@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from .actions import COLLECTIVES, MATCHING_RECV, RECVS, Action, Kind
 from .errors import ScheduleError
@@ -30,10 +30,16 @@ class Pairing:
     members: dict[Ref, tuple[Ref, ...]]
 
 
-def pair(programs: Mapping[int, Sequence[Action]]) -> Pairing:
-    """Pair every transfer and collective, or raise naming the first unmatched one."""
+# The action that should complete a transfer: (its rank, the transfer) -> the other end,
+# or None when it cannot be told (used to name a missing end in error messages).
+Counterpart = Callable[[int, Action], "Action | None"]
+
+
+def pair(programs: Mapping[int, Sequence[Action]], counterpart: Counterpart | None = None) -> Pairing:
+    """Pair every transfer and collective, or raise naming the first unmatched one (and,
+    given ``counterpart``, the action that is missing on the other rank)."""
     partner: dict[Ref, Ref] = {}
-    _pair_p2p(programs, partner)
+    _pair_p2p(programs, partner, counterpart)
     _pair_pool(programs, partner)
     return Pairing(partner, _pair_collectives(programs))
 
@@ -44,7 +50,11 @@ def describe(programs: Mapping[int, Sequence[Action]], ref: Ref) -> str:
     return f"rank {rank} action #{i} `{programs[rank][i]}`"
 
 
-def _pair_p2p(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref]) -> None:
+def _pair_p2p(
+    programs: Mapping[int, Sequence[Action]],
+    partner: dict[Ref, Ref],
+    counterpart: Counterpart | None,
+) -> None:
     sends: dict[tuple, list[Ref]] = defaultdict(list)
     recvs: dict[tuple, list[Ref]] = defaultdict(list)
     for rank, program in programs.items():
@@ -54,7 +64,14 @@ def _pair_p2p(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref])
             elif a.kind in RECVS and a.kind is not Kind.POOL_GET:
                 recvs[(a.peer, rank, a.kind, a.key)].append((rank, i))
     _check_shape_keys(programs, sends, recvs)
-    for channel in sorted(set(sends) | set(recvs), key=repr):
+    channels = sorted(set(sends) | set(recvs), key=repr)
+    for channel in channels:  # a missing end is named before the FIFO drift it causes
+        src, dst, _, _ = channel
+        for ref in _spare(programs, sends[channel], recvs[channel]):
+            raise ScheduleError(_unmatched(programs, ref, "receive", dst, counterpart))
+        for ref in _spare(programs, recvs[channel], sends[channel]):
+            raise ScheduleError(_unmatched(programs, ref, "send", src, counterpart))
+    for channel in channels:
         src, dst, _, key = channel
         out, into = sends[channel], recvs[channel]
         for s, r in zip(out, into):
@@ -66,10 +83,30 @@ def _pair_p2p(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref])
                     f"{describe(programs, r)} receives mb{mr} (first in, first out)"
                 )
             partner[s], partner[r] = r, s
-        for extra in out[len(into):]:
-            raise ScheduleError(f"{describe(programs, extra)} has no matching receive on rank {dst}")
-        for extra in into[len(out):]:
-            raise ScheduleError(f"{describe(programs, extra)} has no matching send on rank {src}")
+
+
+def _spare(programs: Mapping[int, Sequence[Action]], refs: list[Ref], others: list[Ref]) -> list[Ref]:
+    """The ends in ``refs`` whose microbatch ``others`` (the same channel) lacks."""
+    extra = Counter(programs[r][i].microbatch for r, i in refs)
+    extra.subtract(programs[r][i].microbatch for r, i in others)
+    found = []
+    for r, i in refs:
+        if extra[programs[r][i].microbatch] > 0:
+            extra[programs[r][i].microbatch] -= 1
+            found.append((r, i))
+    return found
+
+
+def _unmatched(
+    programs: Mapping[int, Sequence[Action]],
+    ref: Ref,
+    wanted: str,
+    other_rank: int,
+    counterpart: Counterpart | None,
+) -> str:
+    missing = counterpart(ref[0], programs[ref[0]][ref[1]]) if counterpart else None
+    text = f"{describe(programs, ref)} has no matching {wanted} on rank {other_rank}"
+    return f"{text}: missing `{missing}`" if missing else text
 
 
 def _check_shape_keys(
@@ -81,22 +118,11 @@ def _check_shape_keys(
     on the shape key.  They sit on different channels, so first-in-first-out pairing alone
     would only see later messages drift apart and blame the wrong pair."""
 
-    def spare(refs: list[Ref], others: list[Ref]) -> list[Ref]:
-        """The ends in ``refs`` whose microbatch ``others`` (the same channel) lacks."""
-        extra = Counter(programs[r][i].microbatch for r, i in refs)
-        extra.subtract(programs[r][i].microbatch for r, i in others)
-        found = []
-        for r, i in refs:
-            if extra[programs[r][i].microbatch] > 0:
-                extra[programs[r][i].microbatch] -= 1
-                found.append((r, i))
-        return found
-
     hops: dict[tuple, tuple[list[Ref], list[Ref]]] = defaultdict(lambda: ([], []))
     for channel in sorted(set(sends) | set(recvs), key=repr):
         src, dst, kind, _ = channel
         out, into = sends.get(channel, []), recvs.get(channel, [])
-        for side, ends in ((0, spare(out, into)), (1, spare(into, out))):
+        for side, ends in ((0, _spare(programs, out, into)), (1, _spare(programs, into, out))):
             for ref in ends:
                 hops[(src, dst, kind, programs[ref[0]][ref[1]].microbatch)][side].append(ref)
     for (src, dst, _, m), (out, into) in sorted(hops.items(), key=repr):

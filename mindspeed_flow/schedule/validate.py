@@ -9,7 +9,11 @@ Checks, in order, each raising :class:`.ScheduleError` naming the first fault:
 4. on every rank, each microbatch's input is there before a compute uses it and a tensor is
    computed before it is sent (so forward precedes backward and region order holds: with
    3, every dependency happens before its use);
-5. symbolic execution under blocking semantics reaches the end of every program.
+5. every trainable replicated region broadcasts its parameters before its first forward and
+   reduces its gradients after its last backward, once on each replica, over exactly its
+   replica group; no other collective exists; a ``max_in_flight`` window holds (see
+   :mod:`.replicas`);
+6. symbolic execution under blocking semantics reaches the end of every program.
 
 Two blocking semantics are understood.  ``"rendezvous"``: a send completes only once its
 receive is posted (NCCL/HCCL p2p); consecutive transfers are posted together as one batch
@@ -26,11 +30,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from .actions import BACKWARDS, COLLECTIVES, COMPUTE, RECVS, SENDS, Action, Kind
+from .actions import BACKWARDS, COLLECTIVES, COMPUTE, MATCHING_RECV, RECVS, SENDS, Action, Kind
 from .errors import ScheduleError
 from .execution import SEMANTICS, execute, explain
 from .pairing import describe, pair
 from .plan import Plan
+from .replicas import check_replicas
 
 
 def validate(plan: Plan, *, semantics: str | None = None) -> None:
@@ -44,7 +49,8 @@ def validate(plan: Plan, *, semantics: str | None = None) -> None:
     programs = plan.programs
     _check_actions(plan)
     _check_complete(plan)
-    pairing = pair(programs)
+    pairing = pair(programs, lambda rank, action: _counterpart(plan, rank, action))
+    check_replicas(plan)
     for rank, program in programs.items():
         _check_dataflow(plan, rank, program)
     outcome = execute(programs, pairing, semantics)
@@ -124,3 +130,21 @@ def _check_dataflow(plan: Plan, rank: int, program: Sequence[Action]) -> None:
                     "earlier on this rank (microbatch order broken)"
                 )
         held.update((make, m) for make in makes)
+
+
+def _counterpart(plan: Plan, rank: int, action: Action) -> Action | None:
+    """The other end a point-to-point transfer needs, from the microbatch's path: an
+    activation leaves the visit its key names for the next one, a gradient comes back."""
+    sent_as = {recv: send for send, recv in MATCHING_RECV.items()}
+    tag, _, direction = action.key.rpartition(":")
+    path = plan.paths[action.microbatch] if 0 <= (action.microbatch or 0) < len(plan.paths) else ()
+    k = next((k for k, v in enumerate(path) if v.tag == tag), None)
+    if k is None or k + 1 >= len(path) or direction not in ("act", "grad"):
+        return None
+    upstream, downstream = path[k], path[k + 1]
+    sender, receiver = (upstream, downstream) if direction == "act" else (downstream, upstream)
+    if action.kind in MATCHING_RECV:
+        kind, other = MATCHING_RECV[action.kind], receiver
+    else:
+        kind, other = sent_as[action.kind], sender
+    return Action(kind, other.region, other.stage, action.microbatch, peer=rank, key=action.key)
