@@ -225,3 +225,65 @@ def test_reachable_from_the_mindspeed_flow_command(tmp_path):
     src = tmp_path / "ckpt.pt"
     torch.save(megatron_like_checkpoint(), src)
     assert main(["convert-patch-embed", str(src), str(tmp_path / "flat.pt"), "--to", "matmul"]) == 0
+
+
+def omni_like_checkpoint() -> dict:
+    """A vision patch embedding beside a Whisper-style audio conv1 (kernel 3, padding 1)
+    and a CLIP-style conv1 (stride == kernel): names alone do not tell the last two apart."""
+    torch.manual_seed(2)
+    model = {
+        "image_encoder.encoder.patch_embed.proj.weight": nn.Conv3d(3, 16, (2, 14, 14), stride=(2, 14, 14)).weight,
+        "audio_encoder.encoder.conv1.weight": nn.Conv1d(128, 16, 3, padding=1).weight,
+        "clip.encoder.conv1.weight": nn.Conv2d(3, 16, 14, stride=14, bias=False).weight,
+    }
+    return {"model": {k: v.detach().clone() for k, v in model.items()}}
+
+
+def test_cli_to_matmul_flattens_only_known_patch_embeddings_and_names_the_rest(tmp_path, capsys):
+    original = omni_like_checkpoint()
+    src, out = tmp_path / "omni.pt", tmp_path / "flat.pt"
+    torch.save(original, src)
+    assert run_cli("convert-patch-embed", str(src), str(out), "--to", "matmul") == 0
+    printed = capsys.readouterr().out
+    saved = torch.load(out)["model"]
+    assert saved["image_encoder.encoder.patch_embed.proj.weight"].shape == (16, 1176)
+    for key in ("audio_encoder.encoder.conv1.weight", "clip.encoder.conv1.weight"):
+        assert torch.equal(saved[key], original["model"][key])  # left in conv layout
+        assert f"{key}: {tuple(original['model'][key].shape)}" in printed
+    assert "not converted" in printed and "--key" in printed
+    # named explicitly, CLIP's conv1 is converted, and only what was named
+    out2 = tmp_path / "clip.pt"
+    assert run_cli("convert-patch-embed", str(src), str(out2), "--to", "matmul",
+                   "--key", "clip.encoder.conv1.weight") == 0
+    saved = torch.load(out2)["model"]
+    assert saved["clip.encoder.conv1.weight"].shape == (16, 3 * 14 * 14)
+    assert saved["audio_encoder.encoder.conv1.weight"].dim() == 3
+    assert saved["image_encoder.encoder.patch_embed.proj.weight"].dim() == 5
+
+
+def test_cli_refuses_a_checkpoint_with_only_ambiguous_convs(tmp_path, capsys):
+    src, out = tmp_path / "whisper.pt", tmp_path / "o.pt"
+    torch.save({"model": {"audio_encoder.conv1.weight": nn.Conv1d(128, 16, 3, padding=1).weight.detach()}}, src)
+    assert run_cli("convert-patch-embed", str(src), str(out), "--to", "matmul") == 2
+    assert "audio_encoder.conv1.weight: (16, 128, 3)" in capsys.readouterr().out
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("in_and_kernel, message", [
+    ("3,14,14", "1176 columns cannot split into in_channels x kernel (3, 14, 14)"),
+    ("3,2,14,14,1", None),  # four kernel dims: refused by the parser
+])
+def test_cli_wrong_in_and_kernel_is_a_clean_error(tmp_path, capsys, in_and_kernel, message):
+    src, flat, out = tmp_path / "upstream.pt", tmp_path / "flat.pt", tmp_path / "o.pt"
+    torch.save(megatron_like_checkpoint(), src)
+    assert run_cli("convert-patch-embed", str(src), str(flat), "--to", "matmul") == 0
+    capsys.readouterr()
+    if message is None:
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli("convert-patch-embed", str(flat), str(out), "--to", "conv", "--in-and-kernel", in_and_kernel)
+        assert exit_info.value.code == 2
+        return
+    assert run_cli("convert-patch-embed", str(flat), str(out), "--to", "conv", "--in-and-kernel", in_and_kernel) == 2
+    printed = capsys.readouterr().out
+    assert "image_encoder.encoder.patch_embed.proj.weight" in printed and message in printed
+    assert not out.exists()

@@ -6,6 +6,10 @@ A model trained with ``--flow-conv-matmul`` saves its patch embedding as a linea
 The patched model loads either layout, so only the way back needs this tool; ``--to
 matmul`` exists for checkpoints consumed by other matmul-layout code.
 
+A conv weight does not record its stride or padding, so ``--to matmul`` flattens only
+weights known to be patch embeddings (``patch_embed.proj.weight``) or named by ``--key``,
+and names every other ``conv1.weight`` it leaves as it is.
+
 Handles ``torch.save`` files (Megatron's ``--ckpt-format torch``: ``model``, ``model0``,
 ... dicts, or a bare state dict), walking nested dicts.  Optimizer state is left as it is:
 the distributed optimizer's flat buffers do not depend on the layout (same numel, same
@@ -25,6 +29,13 @@ from .patch_embed import conv_to_matmul_state, matmul_to_conv_state
 
 # Weight names of the patch embeddings the conv_matmul feature replaces.
 DEFAULT_SUFFIXES = ("patch_embed.proj.weight", "conv1.weight")
+# A checkpoint records no stride or padding, so a conv weight is flattened only where its
+# name says it is a stride == kernel, unpadded convolution: MindSpeed-MM's ``PatchEmbed.proj``
+# (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is built ``nn.Conv3d(..., stride=kernel_size)``.  A
+# ``conv1.weight`` may be CLIP's patch embedding (stride == kernel) or something else, e.g.
+# Whisper's and MindSpeed-MM's audio ``conv1`` (kernel 3, padding 1): never flattened
+# unless named by ``--key``.
+PATCH_EMBED_SUFFIXES = ("patch_embed.proj.weight",)
 
 
 def register(subparsers: Any) -> None:
@@ -41,7 +52,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--key", action="append", default=None,
         help=f"state-dict key of a weight to convert (repeatable); default: keys ending in "
-             f"{' or '.join(DEFAULT_SUFFIXES)}",
+             f"{' or '.join(DEFAULT_SUFFIXES)}, except that --to matmul flattens only "
+             f"{' and '.join(PATCH_EMBED_SUFFIXES)} by default and names the others it leaves",
     )
     parser.add_argument(
         "--in-and-kernel", type=_shape, default=None, metavar="C,K1[,K2[,K3]]",
@@ -62,7 +74,7 @@ def _shape(text: str) -> tuple[int, ...]:
         dims = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if len(dims) < 2 or any(d <= 0 for d in dims):
+    if not 2 <= len(dims) <= 4 or any(d <= 0 for d in dims):
         raise argparse.ArgumentTypeError(f"expected C and 1 to 3 kernel sizes, all positive, got {text!r}")
     return dims
 
@@ -86,18 +98,33 @@ def convert_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
               "rerun with --trust-checkpoint if you trust it")
         return 2
     converted: list[str] = []
+    refused: list[str] = []
     for state in _state_dicts(checkpoint):
-        keys = [k for k in state if _selected(k, args.key) and _needs(state[k], args.to)]
+        candidates = [k for k in state if _selected(k, args.key) and _needs(state[k], args.to)]
+        keys = [k for k in candidates if args.to == "conv" or args.key or k.endswith(PATCH_EMBED_SUFFIXES)]
+        refused += [f"{k}: {tuple(state[k].shape)}" for k in candidates if k not in keys]
         if not keys:
             continue
-        if args.to == "matmul":
-            new = conv_to_matmul_state(state, keys)
-        else:
-            new = matmul_to_conv_state(state, keys, args.in_and_kernel)
+        try:
+            if args.to == "matmul":
+                new = conv_to_matmul_state(state, keys)
+            else:
+                new = matmul_to_conv_state(state, keys, args.in_and_kernel)
+        except (KeyError, ValueError) as err:
+            print(f"convert-patch-embed: {args.input}: {err.args[0]}")
+            return 2
         for key in keys:
             state[key] = new[key]
             converted.append(f"{key}: {tuple(new[key].shape)}")
+    if refused:
+        print("convert-patch-embed: not converted, the checkpoint does not say these convolutions have "
+              "stride == kernel and no padding (CLIP's conv1 has; an audio conv1 with kernel 3, padding 1 "
+              "has not); pass --key NAME for each one that is a patch embedding:")
+        for line in refused:
+            print(f"  {line}")
     if not converted:
+        if refused:
+            return 2
         print(f"convert-patch-embed: no patch-embedding weight to convert to {args.to} layout in "
               f"{args.input} (already converted, or pass --key)")
         return 1
