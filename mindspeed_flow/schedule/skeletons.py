@@ -39,6 +39,9 @@ class _Sharded:
     stages: int
     layers: tuple[int, ...] | None = None
     layout: ClassVar[str] = SHARDED
+    # Whether a trainable region's backward runs as two steps, input then weight
+    # gradients (the zero-bubble skeletons of :mod:`.zero_bubble`).
+    splits_backward: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -59,6 +62,15 @@ class _Sharded:
     @property
     def virtual_stages(self) -> int:
         return self.stages * self.chunks
+
+    def rank_of(self, virtual_stage: int, num_ranks: int) -> int:
+        """Which of the pipeline's ``num_ranks`` ranks holds ``virtual_stage`` (round robin,
+        Megatron's interleaved placement; a V-shape overrides it)."""
+        return virtual_stage % num_ranks
+
+    def virtual_stage(self, chunk: int, rank: int, num_ranks: int) -> int:
+        """The virtual stage that model chunk ``chunk`` of pipeline rank ``rank`` holds."""
+        return chunk * num_ranks + rank
 
 
 @dataclass(frozen=True)
@@ -153,6 +165,7 @@ class _Replicated:
     """
 
     max_in_flight: int | None = None
+    splits_backward: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.max_in_flight is not None and self.max_in_flight < 1:
