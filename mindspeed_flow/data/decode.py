@@ -1,0 +1,113 @@
+"""One record -> one :class:`Sample` (tokens, labels, pixels, M-RoPE ids), or a :class:`BadSample`.
+
+Runs in the loader's worker processes.  A bad record never raises here: it becomes a
+:class:`BadSample` naming its kind, its place (``file:line``) and why, so the main process
+can count it, log it and apply the policy (skip or fail) in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .conversation import DEFAULT_SYSTEM, BadConversation, check_conversation, placeholder_count, tokenize_conversation
+from .images import MAX_PIXELS, MIN_PIXELS, BadImage, image_tokens, load_image
+from .mrope import mrope_position_ids
+from .source import Corpus, MalformedRecord
+from .tokenizer import TextTokenizer
+
+BAD_KINDS = ("malformed_json", "missing_image", "corrupt_image", "empty_conversation",
+             "placeholder_mismatch", "overlong")
+
+
+@dataclass
+class Sample:
+    """A decoded sample (or one chunk of a split one).  ``index``: its global record index."""
+
+    index: int
+    sample_id: str
+    input_ids: torch.Tensor  # int64 [L]
+    labels: torch.Tensor  # int64 [L]
+    position_ids: torch.Tensor  # int64 [3, L]
+    pixel_values: torch.Tensor  # float32 [sum t*h*w, 1176]
+    image_grid_thw: torch.Tensor  # int64 [N, 3]
+    chunk: int = 0  # which chunk of a split sample (0 when not split)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.index, self.chunk
+
+
+@dataclass
+class BadSample:
+    index: int
+    sample_id: str
+    kind: str
+    reason: str
+
+
+@dataclass
+class Decoder:
+    """Everything a worker needs to decode a record by its global index (picklable)."""
+
+    corpus: Corpus
+    tokenizer: TextTokenizer
+    image_root: Path | None = None
+    min_pixels: int = MIN_PIXELS
+    max_pixels: int = MAX_PIXELS
+    _image_token_id: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._image_token_id = self.tokenizer.special.image_pad
+
+    def __call__(self, index: int) -> Sample | BadSample:
+        place = self.corpus.place(index)
+        try:
+            record = self.corpus.read(index)
+            messages = check_conversation(record)
+            paths = _image_paths(record)
+            placeholders = placeholder_count(record)
+            if placeholders != len(paths):
+                raise BadConversation("placeholder_mismatch",
+                                      f"{placeholders} <image> placeholder(s) for {len(paths)} image(s)")
+            root = self.image_root if self.image_root is not None else self._shard_dir(index)
+            pixels, grids = [], []
+            for p in paths:
+                values, grid = load_image(str(root / p), self.min_pixels, self.max_pixels)
+                pixels.append(values)
+                grids.append(grid)
+        except MalformedRecord as e:
+            return BadSample(index, place, "malformed_json", str(e))
+        except (BadConversation, BadImage) as e:
+            return BadSample(index, place, e.kind, str(e))
+        ids, labels = tokenize_conversation(messages, [image_tokens(g) for g in grids], self.tokenizer,
+                                            system=record.get("system", DEFAULT_SYSTEM))
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        grid_thw = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+        sp = self.tokenizer.special
+        position_ids = mrope_position_ids(input_ids, grid_thw if len(grids) else None,
+                                          image_token_id=sp.image_pad, vision_start_token_id=sp.vision_start)
+        pixel_values = (torch.from_numpy(np.concatenate(pixels)) if pixels
+                        else torch.zeros(0, 1176, dtype=torch.float32))
+        return Sample(index, place, input_ids, torch.tensor(labels, dtype=torch.int64), position_ids,
+                      pixel_values, grid_thw)
+
+    def _shard_dir(self, index: int) -> Path:
+        return self.corpus.locate(index)[0].path.parent
+
+
+def _image_paths(record: dict[str, Any]) -> list[str]:
+    images = record.get("images") or []
+    if isinstance(images, str):
+        images = [images]
+    if not isinstance(images, list) or not all(isinstance(p, (str, os.PathLike)) for p in images):
+        raise BadConversation("placeholder_mismatch", f"'images' must be a list of paths, got {images!r}")
+    return [str(p) for p in images]

@@ -1,0 +1,91 @@
+"""Images with Pillow, in the Qwen2-VL vision encoder's layout (dynamic resolution).
+
+An image is resized so both sides are multiples of ``patch * merge`` (28) with its area
+inside ``[min_pixels, max_pixels]`` and its aspect ratio nearly kept, normalised with the
+CLIP mean/std, repeated twice along time (``temporal_patch = 2``) and cut into
+``14 x 14`` patches.  Rows of the result are patches, ordered so that the ``merge x merge``
+patches that the projector merges into one LLM token are consecutive; a row holds
+``C * T * P * P = 3 * 2 * 14 * 14 = 1176`` values.  The grid ``(t, h, w)`` counts patches
+before the merge, so the image stands for ``t * h * w / merge**2`` LLM tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+PATCH = 14
+MERGE = 2
+TEMPORAL_PATCH = 2
+MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
+STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 262144  # MindSpeed-MM's examples/qwen2.5vl/data_*.json image_max_pixels
+
+
+class BadImage(ValueError):
+    """An image file that is missing, cannot be decoded, or cannot be resized."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def resized_size(height: int, width: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+                 factor: int = PATCH * MERGE) -> tuple[int, int]:
+    """``(height, width)`` after dynamic-resolution resizing: multiples of ``factor``,
+    area within ``[min_pixels, max_pixels]``, aspect ratio kept as far as rounding allows."""
+    if min(height, width) < 1:
+        raise ValueError(f"image of size {width}x{height} has no pixels")
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image of size {width}x{height}: aspect ratio above 200")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        scale = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / scale / factor) * factor)
+        w = max(factor, math.floor(width / scale / factor) * factor)
+    elif h * w < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * scale / factor) * factor
+        w = math.ceil(width * scale / factor) * factor
+    return h, w
+
+
+def load_image(path: str, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """``(pixel_values [t*h*w, 1176] float32, (t, h, w))`` of one image file.
+
+    Raises :class:`BadImage` with kind ``missing_image`` or ``corrupt_image``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+            rgb = img.convert("RGB")
+    except FileNotFoundError:
+        raise BadImage("missing_image", f"image {path} does not exist") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise BadImage("corrupt_image", f"image {path} cannot be decoded ({e})") from None
+    try:
+        h, w = resized_size(rgb.height, rgb.width, min_pixels, max_pixels)
+    except ValueError as e:
+        raise BadImage("corrupt_image", f"image {path}: {e}") from None
+    pixels = np.asarray(rgb.resize((w, h), Image.BICUBIC), dtype=np.float32) / 255.0
+    return patchify((pixels - MEAN) / STD)
+
+
+def patchify(image: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """``[H, W, C]`` normalised image -> ``([t*h*w, C*T*P*P], (t, h, w))`` in merge order."""
+    height, width, channels = image.shape
+    gh, gw = height // PATCH, width // PATCH
+    frames = np.repeat(image.transpose(2, 0, 1)[None], TEMPORAL_PATCH, axis=0)  # [T, C, H, W]
+    grid = frames.reshape(1, TEMPORAL_PATCH, channels, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    # -> [t, h/m, w/m, m_h, m_w, C, T, P, P]: merge groups consecutive, each row C*T*P*P
+    rows = grid.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gh * gw, channels * TEMPORAL_PATCH * PATCH * PATCH)
+    return np.ascontiguousarray(rows), (1, gh, gw)
+
+
+def image_tokens(grid_thw: tuple[int, int, int]) -> int:
+    t, h, w = grid_thw
+    return t * h * w // (MERGE * MERGE)

@@ -1,0 +1,287 @@
+"""``FlowDataLoader``: one DP rank's online-packing multimodal loader with exact resume.
+
+Pipeline: :class:`.stream.RankStream` (this rank's shard, decoded in worker processes by
+torchdata's ``StatefulDataLoader``) -> the overlong policy (:mod:`.overlong`) ->
+``BestFitPacker`` (open packs in a bounded window) -> ``dispatch`` (the packs of one step
+ordered by cost for the pipeline) -> :func:`.batch.collate_pack`.  With a ``group``, only
+the decoding rank reads; its TP/PP peers receive every batch by broadcast
+(:mod:`.broadcast`).
+
+Exact resume: ``state_dict()`` holds the ``StatefulDataLoader`` state (epoch, position of
+each worker, so samples decoded ahead in the workers are decoded again after a resume,
+never lost), the packer (pickled: its open packs, their order and its counters), the keys
+of the samples held in open or not yet yielded packs (re-decoded by ``load_state_dict``,
+which is deterministic, instead of storing pixels), and the counters.  A resumed loader
+yields exactly the packs the uninterrupted one would have yielded.
+
+Resuming with a different ``dp_size``, ``dp_rank``, ``num_workers``, ``seed``,
+``capacity``, ``window`` or corpus size is refused with an error naming what differs: the
+remaining samples of the epoch are spread over every rank's state, and re-sharding them
+would need all ranks' states at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from mindspeed_flow.packing import BestFitPacker, CostModel, dispatch
+
+from . import broadcast
+from .batch import collate_pack
+from .decode import BadSample, Decoder, Sample
+from .images import MAX_PIXELS, MIN_PIXELS
+from .overlong import POLICIES, OverlongPolicy, fit
+from .source import Corpus
+from .stats import LoaderStats
+from .stream import RankStream
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger("mindspeed_flow.data")
+
+STATE_FORMAT = 1
+# Settings that must match on resume (see the module docstring).
+RESUME_KEYS = ("dp_rank", "dp_size", "num_workers", "seed", "capacity", "window", "corpus_size", "shuffle")
+Key = tuple[int, int]  # (record index, chunk)
+
+
+def _unbatched(item: Any) -> Any:
+    return item
+
+
+class FlowDataLoader:
+    """Iterate to get packed microbatches (see :mod:`.batch` for the contract); one ``for``
+    loop is one epoch (or the rest of it), the next loop starts the next epoch.
+
+    Args:
+        source: a ``.jsonl``/``.json`` file or a directory of them (MindSpeed-MM records).
+        tokenizer_or_processor: see :func:`.tokenizer.load_tokenizer`; ``None``: the demo
+            tokenizer beside the corpus.
+        capacity: tokens per pack.
+        dp_rank, dp_size: this rank's data-parallel coordinates (the shard it reads).
+        num_workers: decoding processes (0: decode in this process).
+        seed: drives the per-epoch shuffle (the same on every rank).
+        window: open packs the online packer keeps (the look-ahead).  Held samples are
+            decoded (pixels included): memory grows with ``window * capacity``.
+        overlong: samples longer than ``capacity``: ``"split"``, ``"truncate"``, ``"drop"``
+            or ``"error"`` (see :mod:`.overlong`).
+        bad_input: ``"skip"`` (count, log a warning with the place, continue) or ``"fail"``
+            (raise naming the place).
+        step_packs, pp_size, cost_model: packs are ordered ``step_packs`` at a time by
+            ``dispatch(costs, 1, pp_size)`` (heaviest first; zig-zag for PP > 1).
+        group, src: with a process group of the DP replica's TP/PP peers, only global rank
+            ``src`` (default: the group's lowest rank) reads and decodes; the others receive
+            every batch by broadcast, tensors on ``device``.
+        image_root: directory that image paths are relative to (default: each shard's).
+        min_pixels, max_pixels: dynamic-resolution bounds (default: the processor's if it
+            has them, else 3136 and 262144).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike,
+        tokenizer_or_processor: Any = None,
+        capacity: int = 8192,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        num_workers: int = 2,
+        seed: int = 1234,
+        window: int = 1024,
+        overlong: OverlongPolicy = "split",
+        *,
+        bad_input: Literal["skip", "fail"] = "skip",
+        shuffle: bool = True,
+        step_packs: int = 1,
+        pp_size: int = 1,
+        cost_model: Optional[CostModel] = None,
+        group: Any = None,
+        src: Optional[int] = None,
+        device: str | torch.device = "cpu",
+        image_root: Optional[str | os.PathLike] = None,
+        min_pixels: Optional[int] = None,
+        max_pixels: Optional[int] = None,
+        prefetch_factor: Optional[int] = None,
+    ) -> None:
+        if overlong not in POLICIES:
+            raise ValueError(f"overlong must be one of {POLICIES}, got {overlong!r}")
+        if bad_input not in ("skip", "fail"):
+            raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
+        if step_packs < 1:
+            raise ValueError(f"step_packs must be >= 1, got {step_packs}")
+        self.capacity, self.window, self.overlong, self.bad_input = capacity, window, overlong, bad_input
+        self.dp_rank, self.dp_size, self.num_workers, self.seed, self.shuffle = dp_rank, dp_size, num_workers, seed, shuffle
+        self.step_packs, self.pp_size = step_packs, pp_size
+        self.cost_model = cost_model or CostModel(linear=1.0, quadratic=1.0 / capacity)
+        self.prefetch_factor = prefetch_factor
+        self.group, self.device = group, torch.device(device)
+        self.src = broadcast.source_rank(group, src)
+        self.decoding = broadcast.is_source(group, self.src)
+        self.stats = LoaderStats(capacity=capacity)
+        self.epoch = 0
+        if not self.decoding:
+            return
+        corpus = Corpus.open(source)
+        tokenizer = load_tokenizer(tokenizer_or_processor, corpus.root)
+        image_processor = getattr(tokenizer_or_processor, "image_processor", None)
+        self._decoder = Decoder(
+            corpus, tokenizer, Path(image_root) if image_root is not None else None,
+            min_pixels if min_pixels is not None else getattr(image_processor, "min_pixels", MIN_PIXELS),
+            max_pixels if max_pixels is not None else getattr(image_processor, "max_pixels", MAX_PIXELS),
+        )
+        self._image_token_id = tokenizer.special.image_pad
+        self._packer = BestFitPacker(capacity, window=window, overlong="error")
+        self._held: dict[Key, Sample] = {}  # samples of open, closed-but-unordered and ready packs
+        self._closed: list[list[Key]] = []  # closed packs waiting for their step's dispatch
+        self._ready: deque[list[Key]] = deque()  # ordered packs, next to be yielded
+        self._stream_state: Optional[dict] = None  # StatefulDataLoader state; None: epoch start
+        self._live: Optional[StatefulDataLoader] = None
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.decoding:
+            yield from broadcast.receive_epoch(self.src, self.group, self.device)
+            return
+        for batch in self._epoch():
+            if self.group is not None:
+                broadcast.send(batch, self.src, self.group, self.device)
+            yield batch
+        if self.group is not None:
+            broadcast.send_end(self.src, self.group, self.device)
+
+    def _epoch(self) -> Iterator[dict[str, Any]]:
+        self._stream_state = self._current_stream_state()
+        loader = self._stream_loader()
+        self._live = loader
+        for item in loader:
+            self._take(item)
+            while self._ready:
+                yield self._emit(self._ready.popleft())
+        self._live = None
+        self._stream_state = None
+        self._closed.extend(self._packer.flush())
+        self._order_closed(final=True)
+        while self._ready:
+            yield self._emit(self._ready.popleft())
+        self.epoch += 1
+        self.stats.epochs += 1
+
+    def _stream_loader(self) -> StatefulDataLoader:
+        stream = RankStream(self._decoder, self.seed, self.dp_rank, self.dp_size, self.shuffle)
+        stream.epoch = self.epoch
+        extra = {} if self.num_workers == 0 or self.prefetch_factor is None else {"prefetch_factor": self.prefetch_factor}
+        loader = StatefulDataLoader(stream, batch_size=None, num_workers=self.num_workers, collate_fn=_unbatched,
+                                    multiprocessing_context="spawn" if self.num_workers else None, **extra)
+        if self._stream_state is not None:
+            loader.load_state_dict(self._stream_state)
+        return loader
+
+    def _current_stream_state(self) -> Optional[dict]:
+        return self._live.state_dict() if self._live is not None else self._stream_state
+
+    def _take(self, item: Sample | BadSample) -> None:
+        self.stats.samples_seen += 1
+        if isinstance(item, BadSample):
+            self._bad(item.kind, item.index, item.sample_id, item.reason)
+            return
+        pieces = fit(item, self.capacity, self.overlong, self._image_token_id)
+        if pieces is None:
+            policy = "fail" if self.overlong == "error" else "skip"
+            self._bad("overlong", item.index, item.sample_id,
+                      f"{len(item)} tokens > capacity {self.capacity} (overlong={self.overlong!r}"
+                      f"{'' if self.overlong in ('drop', 'error') else '; an image alone exceeds the capacity'})",
+                      policy)
+            return
+        self.stats.samples_packed += 1
+        for piece in pieces:
+            self.stats.chunks += 1
+            self._held[piece.key] = piece
+            self._closed.extend(self._packer.add(piece.key, len(piece)))
+        self._order_closed(final=False)
+
+    def _bad(self, kind: str, index: int, sample_id: str, reason: str, policy: Optional[str] = None) -> None:
+        self.stats.bad[kind] += 1
+        shard, _ = self._decoder.corpus.locate(index)
+        message = f"{kind}: {shard.path} sample {sample_id}: {reason}"
+        if (policy or self.bad_input) == "fail":
+            raise ValueError(f"{message} (policy: fail)")
+        log.warning("%s (policy: skip; %d %s so far on DP rank %d)", message, self.stats.bad[kind], kind, self.dp_rank)
+
+    def _order_closed(self, final: bool) -> None:
+        while len(self._closed) >= self.step_packs or (final and self._closed):
+            step, self._closed = self._closed[:self.step_packs], self._closed[self.step_packs:]
+            costs = [self.cost_model.cost([len(self._held[k]) for k in pack]) for pack in step]
+            (order,) = dispatch(costs, dp_size=1, pp_size=self.pp_size)
+            self._ready.extend(step[i] for i in order)
+
+    def _emit(self, pack: list[Key]) -> dict[str, Any]:
+        batch = collate_pack([self._held.pop(k) for k in pack])
+        self.stats.packs += 1
+        self.stats.tokens += batch["input_ids"].shape[1]
+        return batch
+
+    # ------------------------------------------------------------------ state
+    def _settings(self) -> dict[str, Any]:
+        return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers, "seed": self.seed,
+                "capacity": self.capacity, "window": self.window, "shuffle": self.shuffle,
+                "corpus_size": len(self._decoder.corpus) if self.decoding else None}
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot to resume from (see the module docstring); peers that only receive
+        hold no data position and return their settings only."""
+        state: dict[str, Any] = {"format": STATE_FORMAT, **self._settings(), "decoding": self.decoding}
+        if not self.decoding:
+            return state
+        return {
+            **state,
+            "epoch": self.epoch,
+            "stream": self._current_stream_state(),
+            "packer": pickle.dumps(self._packer),
+            "held": sorted(self._held),
+            "closed": [list(p) for p in self._closed],
+            "ready": [list(p) for p in self._ready],
+            "stats": self.stats.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"loader state format {state.get('format')!r} is not {STATE_FORMAT}")
+        mine = self._settings()
+        differ = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in RESUME_KEYS
+                  if self.decoding and state.get(k) != mine[k]]
+        if differ:
+            raise ValueError("cannot resume this loader state: " + "; ".join(differ) +
+                             " (resuming with other DP or worker settings is not supported: the epoch's "
+                             "remaining samples are spread over all ranks' states)")
+        if not self.decoding:
+            return
+        self._live = None  # an unfinished loop's position is replaced by the saved one
+        self.epoch = int(state["epoch"])
+        self._stream_state = state["stream"]
+        self._packer = pickle.loads(state["packer"])
+        self._held = self._redecode([tuple(k) for k in state["held"]])
+        self._closed = [[tuple(k) for k in p] for p in state["closed"]]
+        self._ready = deque([tuple(k) for k in p] for p in state["ready"])
+        self.stats = LoaderStats.from_dict(state["stats"])
+
+    def _redecode(self, keys: list[Key]) -> dict[Key, Sample]:
+        """The held samples again, from their records (decoding is deterministic)."""
+        held: dict[Key, Sample] = {}
+        for index in sorted({i for i, _ in keys}):
+            sample = self._decoder(index)
+            pieces = None if isinstance(sample, BadSample) else fit(sample, self.capacity, self.overlong,
+                                                                  self._image_token_id)
+            if pieces is None:
+                raise ValueError(f"resume: sample {self._decoder.corpus.place(index)} was packed before the "
+                                 f"checkpoint but cannot be decoded now (did its file change?)")
+            held.update((p.key, p) for p in pieces)
+        missing = [k for k in keys if k not in held]
+        if missing:
+            raise ValueError(f"resume: chunks {missing[:5]} of held samples are missing after re-decoding")
+        return {k: held[k] for k in keys}

@@ -1,0 +1,143 @@
+"""The corpus: MindSpeed-MM's multimodal records, one file or a directory of shards.
+
+A record is ``{"messages": [{"role": ..., "content": ...}, ...], "images": [path, ...]}``
+(the layout of MindSpeed-MM's ``examples/qwen2.5vl`` data, ``<image>`` placeholders in the
+contents).  A shard is a JSON Lines file (``.jsonl``, one record per line) or a JSON list
+(``.json``).  Every record gets a global index (shards in sorted name order, records in
+file order) and a place ``file:line`` (JSON Lines) or ``file[item]`` (JSON list) that
+errors and logs name; the place is also the sample id.
+
+Only the index is built when the corpus opens: the byte offset of every non-blank line of
+a JSON Lines shard, the item count of a JSON list.  Records are parsed when a worker reads
+them, so each DP rank parses only the records of its own shard (a JSON list file is
+parsed whole by each process that reads from it: prefer JSON Lines for large corpora).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHARD_SUFFIXES = (".jsonl", ".json")
+DEMO_TOKENIZER_FILE = "flow_demo_tokenizer.json"  # never read as a shard
+
+
+class MalformedRecord(ValueError):
+    """A record that is not valid JSON or not a JSON object."""
+
+
+@dataclass
+class Shard:
+    path: Path
+    offsets: np.ndarray | None  # byte offset per record (JSON Lines), None for a JSON list
+    lines: np.ndarray | None  # 1-based line number per record (JSON Lines)
+    count: int
+
+    def place(self, local: int) -> str:
+        if self.lines is not None:
+            return f"{self.path.name}:{int(self.lines[local])}"
+        return f"{self.path.name}[{local}]"
+
+
+@dataclass
+class Corpus:
+    """Random access to the records of one or more shards by global index."""
+
+    root: Path
+    shards: list[Shard]
+    _starts: np.ndarray = field(init=False, repr=False)
+    _json_cache: dict[int, list[Any]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._starts = np.cumsum([0] + [s.count for s in self.shards])
+
+    @classmethod
+    def open(cls, source: str | os.PathLike) -> "Corpus":
+        """Index a ``.jsonl``/``.json`` file or a directory of them (not recursive)."""
+        path = Path(source)
+        if path.is_dir():
+            files = sorted(p for p in path.iterdir()
+                           if p.suffix in SHARD_SUFFIXES and p.name != DEMO_TOKENIZER_FILE and p.is_file())
+            if not files:
+                raise FileNotFoundError(f"{path}: no {'/'.join(SHARD_SUFFIXES)} shards in this directory")
+            root = path
+        elif path.is_file():
+            if path.suffix not in SHARD_SUFFIXES:
+                raise ValueError(f"{path}: a source must be a .jsonl or .json file or a directory of them")
+            files, root = [path], path.parent
+        else:
+            raise FileNotFoundError(f"{path}: no such file or directory")
+        return cls(root, [_index(f) for f in files])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def locate(self, index: int) -> tuple[Shard, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"record {index} out of range (corpus has {len(self)})")
+        shard = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return self.shards[shard], index - int(self._starts[shard])
+
+    def place(self, index: int) -> str:
+        """``file:line`` or ``file[item]`` of record ``index``: its sample id."""
+        shard, local = self.locate(index)
+        return shard.place(local)
+
+    def read(self, index: int) -> dict[str, Any]:
+        """The record at ``index``; :class:`MalformedRecord` names the place when it is not
+        a JSON object."""
+        shard, local = self.locate(index)
+        if shard.offsets is None:
+            record = self._json_list(shard)[local]
+        else:
+            with open(shard.path, "rb") as f:
+                f.seek(int(shard.offsets[local]))
+                raw = f.readline()
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise MalformedRecord(f"{shard.place(local)}: malformed JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise MalformedRecord(f"{shard.place(local)}: a record must be a JSON object, got {type(record).__name__}")
+        return record
+
+    def _json_list(self, shard: Shard) -> list[Any]:
+        key = self.shards.index(shard)
+        if key not in self._json_cache:
+            self._json_cache = {key: _load_json_list(shard.path)}  # keep one parsed list at a time
+        return self._json_cache[key]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_json_cache"] = {}  # workers parse what they read
+        return state
+
+
+def _load_json_list(path: Path) -> list[Any]:
+    with open(path, "rb") as f:
+        try:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MalformedRecord(f"{path.name}: malformed JSON ({e})") from None
+    if not isinstance(data, list):
+        raise MalformedRecord(f"{path.name}: a .json shard must hold a list of records, got {type(data).__name__}")
+    return data
+
+
+def _index(path: Path) -> Shard:
+    if path.suffix == ".json":
+        return Shard(path, None, None, len(_load_json_list(path)))
+    offsets, lines = [], []
+    position = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if raw.strip():
+                offsets.append(position)
+                lines.append(number)
+            position += len(raw)
+    return Shard(path, np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64), len(offsets))

@@ -1,0 +1,47 @@
+"""What the loader did: samples read, bad input per kind, packs and their fill."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .decode import BAD_KINDS
+
+
+@dataclass
+class LoaderStats:
+    """Counters of one rank's loader (they survive ``state_dict``/``load_state_dict``).
+
+    Attributes:
+        capacity: tokens per pack.
+        samples_seen: records read (bad ones included).
+        samples_packed: records that reached a pack (whole or in chunks).
+        chunks: pieces packed (a split sample counts once per chunk).
+        bad: records skipped (or failed on), per kind (see ``docs/data.md``).
+        packs, tokens: packs yielded and the tokens in them.
+        epochs: epochs completed.
+    """
+
+    capacity: int
+    samples_seen: int = 0
+    samples_packed: int = 0
+    chunks: int = 0
+    bad: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in BAD_KINDS})
+    packs: int = 0
+    tokens: int = 0
+    epochs: int = 0
+
+    @property
+    def fill(self) -> float:
+        """Fraction of the yielded packs' token slots (``packs * capacity``) holding tokens."""
+        return self.tokens / (self.packs * self.capacity) if self.packs else 1.0
+
+    @property
+    def padding(self) -> float:
+        return 1.0 - self.fill
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "bad": dict(self.bad)}
+
+    @classmethod
+    def from_dict(cls, state: dict) -> "LoaderStats":
+        return cls(**{**state, "bad": dict(state["bad"])})
