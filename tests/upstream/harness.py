@@ -1,0 +1,247 @@
+"""Upstream in the loop: MindSpeed's real ``megatron_adaptor`` and MindSpeed-MM's real
+Qwen2.5-VL on CPU, in a subprocess, with or without the plugin.
+
+What is real: MindSpeed 028de58 (its adaptor and patch manager), MindSpeed-MM 57069cd
+(``VLMModel``, the Qwen2-VL ViT, ``MMGPTModel``, its config reader), and Megatron
+core_v0.12.1 as the source copy inside the MindSpeed-MM tree (not a pip wheel), all
+unpacked from ``shared/upstream`` by its ``unpack.sh``.  What is stood in: ``torch_npu``
+and ``torchair`` (``standins/``), whose kernels are plain-torch reference implementations;
+every run prints the stood-in symbols and the kernels it called.
+
+Usage from a test (this folder is on ``sys.path`` under pytest)::
+
+    from harness import Job, run_upstream, sample_specs
+
+    job = Job(samples=sample_specs(3), layout="microbatches")  # or layout="packed"
+    plain = run_upstream(job, tmp_path / "plain")                     # upstream as is
+    ours = run_upstream(job, tmp_path / "ours", plugin=True,         # + --use-flowtrain,
+                        load=plain.initial_weights)                   # same initial weights
+    ours.loss, ours.grads["module.text_decoder..."], ours.result["standin"]["called"]
+
+``Job`` fields choose the precision (``"fp32"``: parameters in fp32, the M-RoPE tables
+still bf16 as upstream hard-codes them; ``"bf16"``: upstream's own ``--bf16`` setting),
+``--use-flash-attn``, the pipeline size (``pp=2`` runs two gloo processes under
+torchrun) and extra upstream flags.  ``upstream_sources()`` alone gives the unpacked
+checkouts (``doctor --src`` tests); ``upstream_env()`` the environment a subprocess needs.
+
+Environment overrides: ``MINDSPEED_FLOW_SHARED`` (the shared folder, default
+``<repo>/../shared``), ``MINDSPEED_FLOW_UPSTREAM_CACHE`` (where sources are unpacked, default
+``~/.cache/mindspeed-flow/upstream``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+STANDINS = HERE / "standins"
+DRIVER = HERE / "driver.py"
+TINY_MODEL = HERE / "tiny_qwen2_5vl.json"
+RUN_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The unpacked pinned upstream checkouts (MindSpeed-MM holds Megatron's copy)."""
+
+    megatron_lm: Path
+    mindspeed: Path
+    mindspeed_mm: Path
+
+    def env(self) -> dict[str, str]:
+        return {"MEGATRON_LM_SRC": str(self.megatron_lm), "MINDSPEED_SRC": str(self.mindspeed),
+                "MINDSPEED_MM_SRC": str(self.mindspeed_mm)}
+
+
+def shared_dir() -> Path:
+    return Path(os.environ.get("MINDSPEED_FLOW_SHARED", REPO.parent / "shared")).resolve()
+
+
+def _archives_key(upstream: Path) -> str:
+    """Names and sizes of the archives: a new pin unpacks into a new folder."""
+    entries = sorted(f"{p.name}:{p.stat().st_size}" for p in upstream.iterdir() if p.is_file())
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=1)
+def upstream_sources() -> Sources:
+    """Unpack the pinned sources once (``shared/upstream/unpack.sh``) and return them."""
+    upstream = shared_dir() / "upstream"
+    script = upstream / "unpack.sh"
+    if not script.is_file():
+        raise FileNotFoundError(
+            f"{script} not found: the pinned upstream sources live in the shared folder beside "
+            f"the repository; set MINDSPEED_FLOW_SHARED to it")
+    cache = Path(os.environ.get("MINDSPEED_FLOW_UPSTREAM_CACHE",
+                                Path.home() / ".cache" / "mindspeed-flow" / "upstream"))
+    target = cache / _archives_key(upstream)
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:  # parallel sessions unpack once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run(["bash", str(script), str(target)], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} {target} failed ({proc.returncode}):\n{proc.stderr}")
+    exported = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.split()
+                    if "=" in line)
+    return Sources(Path(exported["MEGATRON_LM_SRC"]), Path(exported["MINDSPEED_SRC"]),
+                   Path(exported["MINDSPEED_MM_SRC"]))
+
+
+def upstream_env(sources: Sources, scratch: Path) -> dict[str, str]:
+    """The subprocess environment: stand-ins, then MindSpeed-MM (with Megatron's copy), then
+    MindSpeed first on ``sys.path``; no plugin switch from the caller's environment."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_FLOW_FLAGS", "PYTHONPATH")}
+    env.update({
+        "PYTHONPATH": os.pathsep.join(map(str, (STANDINS, sources.mindspeed_mm, sources.mindspeed))),
+        "TORCH_EXTENSIONS_DIR": str(scratch / "torch_extensions"),  # the adaptor writes there
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+    })
+    return env
+
+
+def sample_specs(count: int, seed: int = 0) -> list[dict]:
+    """``count`` seeded samples of different shapes: an image grid (t, h, w) in patches and
+    a text length.  Grids are multiples of 2 (the spatial merge); some exceed one window."""
+    grids = [(1, 8, 8), (1, 4, 6), (1, 6, 4), (1, 4, 4)]
+    return [{"seed": seed * 100 + i, "grid": grids[i % len(grids)], "text": 9 + 5 * i} for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One upstream run: which samples, laid out how, under which upstream flags."""
+
+    samples: list[dict]
+    layout: str = "microbatches"  # one sample per microbatch, or "packed": one row, cu_seqlens
+    precision: str = "fp32"
+    flash_attn: bool = False
+    pp: int = 1
+    extra_args: tuple[str, ...] = ()
+
+    def model_json(self) -> dict:
+        model = json.loads(TINY_MODEL.read_text())
+        parts = (model["image_encoder"]["vision_encoder"], model["image_encoder"]["vision_projector"],
+                 model["text_decoder"])
+        for part in parts:
+            part["params_dtype"] = "bf16" if self.precision == "bf16" else "fp32"
+            part["bf16"] = self.precision == "bf16"
+        # mm_gpt_model asserts config.bf16 for M-RoPE (whose tables it builds in bf16 in
+        # any case); in fp32 runs the flag stays on for the text decoder only, where with
+        # --use-flash-attn nothing else reads it.
+        model["text_decoder"]["bf16"] = True
+        if self.pp == 2:
+            model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] = [2, 0]
+            model["text_decoder"]["pipeline_num_layers"] = [0, 2]
+        return model
+
+    def megatron_args(self, model_json: Path) -> list[str]:
+        microbatches = 1 if self.layout == "packed" else len(self.samples)
+        args = [
+            "--use-mcore-models", "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", str(self.pp), "--context-parallel-size", "1",
+            "--micro-batch-size", "1", "--global-batch-size", str(microbatches),
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "256", "--max-position-embeddings", "4096",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "151936", "--make-vocab-size-divisible-by", "1",
+            "--normalization", "RMSNorm", "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu",
+            "--no-masked-softmax-fusion", "--lr", "1e-5", "--train-iters", "1", "--seed", "42",
+            "--variable-seq-lengths", "--calculate-per-token-loss",
+            "--distributed-backend", "gloo", "--use-cpu-initialization",
+            "--no-gradient-accumulation-fusion", "--mm-model", str(model_json),
+            *self.extra_args,
+        ]
+        if self.precision == "bf16":
+            args.append("--bf16")
+        if self.flash_attn:
+            args.append("--use-flash-attn")
+        return args
+
+
+@dataclass
+class UpstreamRun:
+    """What one run left: rank results (JSON), gradients and initial weights on disk."""
+
+    workdir: Path
+    results: list[dict]
+    stdout: str
+    grads_files: list[Path] = field(default_factory=list)
+    initial_weights: Path | None = None
+
+    @property
+    def result(self) -> dict:
+        """The last pipeline stage's result (it holds the loss)."""
+        return self.results[-1]
+
+    @property
+    def loss(self) -> float:
+        return self.result["loss"]
+
+    @functools.cached_property
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Gradients of every rank, keyed ``"rank<r>:<parameter name>"``."""
+        merged = {}
+        for rank, path in enumerate(self.grads_files):
+            for name, grad in torch.load(path, weights_only=True).items():
+                merged[f"rank{rank}:{name}"] = grad
+        return merged
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | None = None,
+                 save_initial: bool = True, extra_plugin_flags: tuple[str, ...] = ("--use-flowtrain",)) -> UpstreamRun:
+    """Run ``driver.py`` once under ``job``; with ``plugin`` through ``mindspeed_flow.launch``
+    plus ``extra_plugin_flags``.  Raises with the child's output when it fails."""
+    sources = upstream_sources()
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_json = workdir / "model.json"
+    model_json.write_text(json.dumps(job.model_json(), indent=1))
+    ranks = range(job.pp)
+    spec = {"samples": job.samples, "layout": job.layout,
+            "result": str(workdir / "result_{rank}.json"), "grads": str(workdir / "grads_{rank}.pt"),
+            "load": str(load) if load else None,
+            "save": str(workdir / "initial_{rank}.pt") if save_initial else None}
+    (workdir / "job.json").write_text(json.dumps(spec))
+    env = upstream_env(sources, workdir)
+    env["MINDSPEED_FLOW_HARNESS_JOB"] = str(workdir / "job.json")
+    script = [*(["-m", "mindspeed_flow.launch"] if plugin else []), str(DRIVER),
+              *job.megatron_args(model_json), *(extra_plugin_flags if plugin else ())]
+    if job.pp == 1:
+        env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(_free_port())})
+        command = [sys.executable, *script]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job.pp),
+                   "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *script]
+    # cwd is the work folder, not the driver's: the script's folder must come from the launcher.
+    proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"upstream run failed ({proc.returncode}): {' '.join(command)}\n{output[-8000:]}")
+    results = [json.loads(Path(spec["result"].format(rank=r)).read_text()) for r in ranks]
+    run = UpstreamRun(workdir, results, output, [Path(spec["grads"].format(rank=r)) for r in ranks],
+                      workdir / "initial_{rank}.pt" if save_initial else None)
+    standin = run.results[0]["standin"]
+    print(f"[upstream harness] {workdir.name}: plugin={'on' if plugin else 'off'}, stood in "
+          f"({len(standin['stood_in'])}): {', '.join(standin['stood_in'])}")
+    for rank, result in enumerate(run.results):
+        print(f"[upstream harness] {workdir.name} rank {rank}: stand-in kernels called: {result['standin']['called']}")
+    return run
