@@ -3,7 +3,8 @@
 Megatron's ``DotProductAttention`` serves ``packed_seq_params`` through varlen attention
 (NPU kernel, flash-attn or SDPA per segment); MindSpeed-MM's VLM passes the loader's
 segments down to the text decoder instead of building a ``[B, 1, S, S]`` mask, and its
-Qwen2-VL ViT takes its ``cu_seqlens`` (varlen) path instead of a ``[1, S, S]`` block mask.
+Qwen2-VL and Qwen3-VL ViTs take their ``cu_seqlens`` (varlen) path instead of a
+``[1, S, S]`` block mask.
 """
 
 from mindspeed_flow.adapters import megatron_core_attention, mindspeed_mm
@@ -14,6 +15,7 @@ MEGATRON = ("megatron-core 0.12.3", "Megatron-LM core_v0.12.1 (source)", "megatr
 MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
 VIT = "mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model"
 VIT_BLOCK = "mindspeed_mm.models.vision.vision_encoders.vision_transformer_block"
+QWEN3_VIT = "mindspeed_mm.models.vision.vision_encoders.qwen3vl_vit_model"
 
 PATCHES = [
     Patch(
@@ -65,6 +67,14 @@ PATCHES = [
         checked=MINDSPEED_MM,
         rebind_aliases=False,
         description="Qwen2VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense block mask",
+    ),
+    Patch(
+        feature=FEATURE,
+        target=f"{QWEN3_VIT}:get_args",
+        wrapper=mindspeed_mm.vit_get_args,
+        checked=MINDSPEED_MM,
+        rebind_aliases=False,
+        description="Qwen3VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense [1,S,S] mask",
     ),
     Patch(
         feature=FEATURE,
