@@ -2,7 +2,8 @@
 
 A model is cut into :class:`Region` s; each gets a skeleton (:class:`OneFOneB`,
 :class:`GPipe`, :class:`Interleaved1F1B` shard by layer; :class:`Transpose` and
-:class:`Decoupled` replicate by microbatch) and a trainable bit.  :func:`compose` derives a
+:class:`Decoupled` replicate by microbatch; :class:`ZeroBubbleH1`, :class:`ZeroBubbleV` split
+each backward into input and weight gradients) and a trainable bit.  :func:`compose` derives a
 :class:`Plan` of per-rank programs (lists of :class:`Action`), :func:`validate` proves they
 match and cannot deadlock, :func:`simulate` replays them with a cost model and draws them.
 """
@@ -16,6 +17,7 @@ from .regions import Region
 from .simulate import SimResult, simulate
 from .skeletons import Decoupled, GPipe, Interleaved1F1B, OneFOneB, Transpose
 from .validate import validate
+from .zero_bubble import ZeroBubbleH1, ZeroBubbleV
 
 __all__ = [
     "Action",
@@ -33,6 +35,8 @@ __all__ = [
     "ScheduleError",
     "SimResult",
     "Transpose",
+    "ZeroBubbleH1",
+    "ZeroBubbleV",
     "compose",
     "format_program",
     "simulate",

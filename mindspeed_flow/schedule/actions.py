@@ -16,8 +16,12 @@ class Kind(str, Enum):
     """What an action does; the value is the short name printed in programs."""
 
     FORWARD = "F"
-    BACKWARD = "B"  # input and weight gradients: a trainable region
-    BACKWARD_INPUT = "I"  # input gradients only: a frozen region on the gradient path
+    BACKWARD = "B"  # input and weight gradients in one pass: a trainable region
+    # Input gradients: the whole backward of a frozen region on the gradient path, or the
+    # first half of a trainable region's backward under a zero-bubble skeleton, whose
+    # weight gradients follow as W.
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"  # weight gradients only: the second half of a split backward
     SEND_ACT = "SEND_A"
     RECV_ACT = "RECV_A"
     SEND_GRAD = "SEND_G"
@@ -28,8 +32,8 @@ class Kind(str, Enum):
     GRAD_REDUCE = "REDUCE"
 
 
-COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT})
-BACKWARDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT})
+COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
+BACKWARDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD, Kind.POOL_PUT})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD, Kind.POOL_GET})
 COLLECTIVES = frozenset({Kind.PARAM_BROADCAST, Kind.GRAD_REDUCE})

@@ -104,6 +104,9 @@ class _Transfer:
 
 def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]]) -> list[_Transfer]:
     """Every cross-rank edge of every path, found from its consumer."""
+    # a weight-gradient step (W) neither needs nor makes a tensor of another rank
+    timeline = {rank: [t for t in timed if t.action.kind is not Kind.BACKWARD_WEIGHT]
+                for rank, timed in timeline.items()}
     where = {
         (t.action.kind is Kind.FORWARD, t.action.microbatch, t.action.region, t.action.stage): (rank, t)
         for rank, timed in timeline.items()

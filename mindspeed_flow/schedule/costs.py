@@ -61,7 +61,9 @@ class RegionCost:
     Attributes:
         forward: forward seconds (ignored when ``jitter`` is set).
         backward_ratio: full backward time over forward time.
-        input_grad_ratio: input-gradient-only backward (frozen region) over forward time.
+        input_grad_ratio: input-gradient backward (a frozen region's whole backward, the first
+            half of a split one) over forward time; the weight-gradient half of a split
+            backward takes ``backward_ratio - input_grad_ratio``.
         output_bytes: bytes of the activations leaving any stage of the region.
         stored_bytes: activations kept for the backward pass.
         param_bytes: parameters (broadcast, gradient reduce of replicated regions).
@@ -120,7 +122,8 @@ class CostTable:
         if self.microbatch_scale is not None:
             base *= self.microbatch_scale(action.region, m)
         ratio = {Kind.FORWARD: 1.0, Kind.BACKWARD: cost.backward_ratio,
-                 Kind.BACKWARD_INPUT: cost.input_grad_ratio}[action.kind]
+                 Kind.BACKWARD_INPUT: cost.input_grad_ratio,
+                 Kind.BACKWARD_WEIGHT: cost.backward_ratio - cost.input_grad_ratio}[action.kind]
         return base * ratio * visit.share
 
     def transfer_seconds(self, action: Action) -> float:

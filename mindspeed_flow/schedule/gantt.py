@@ -1,7 +1,8 @@
 """Gantt chart of a simulated step: one row per rank, one bar per compute or collective.
 
-Colour says the region, shade says the pass (forward light, backward dark, input-only
-backward hatched), the number in a bar is its microbatch; collectives are grey.
+Colour says the region, shade says the pass (forward light, backward dark, input-gradient
+backward hatched, weight-gradient backward dotted), the number in a bar is its microbatch;
+collectives are grey.
 matplotlib is imported here only, so the rest of the package runs without it.
 """
 
@@ -15,9 +16,10 @@ from .actions import COLLECTIVES, Kind
 if TYPE_CHECKING:
     from .simulate import SimResult
 
-_ALPHA = {Kind.FORWARD: 0.45, Kind.BACKWARD: 0.95, Kind.BACKWARD_INPUT: 0.75}
-_HATCH = {Kind.BACKWARD_INPUT: "//"}
-_LABEL = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.BACKWARD_INPUT: "I (input grads)"}
+_ALPHA = {Kind.FORWARD: 0.45, Kind.BACKWARD: 0.95, Kind.BACKWARD_INPUT: 0.75, Kind.BACKWARD_WEIGHT: 0.95}
+_HATCH = {Kind.BACKWARD_INPUT: "//", Kind.BACKWARD_WEIGHT: ".."}
+_LABEL = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.BACKWARD_INPUT: "I (input grads)",
+          Kind.BACKWARD_WEIGHT: "W (weight grads)"}
 
 
 def draw(result: SimResult, path: Path, title: str | None = None) -> Path:
@@ -55,7 +57,7 @@ def draw(result: SimResult, path: Path, title: str | None = None) -> Path:
     ax.set_title(f"{title}: {heading}" if title else heading, fontsize=10)
     drawn = {(iv.action.region, iv.action.kind) for iv in result.intervals}
     legend = [Patch(facecolor=colour[n], alpha=_ALPHA[k], hatch=_HATCH.get(k), label=f"{n} {_LABEL[k]}")
-              for n in names for k in (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT)
+              for n in names for k in _LABEL
               if (n, k) in drawn]
     if any(kind in COLLECTIVES for _, kind in drawn):
         legend.append(Patch(color="0.6", label="collective"))

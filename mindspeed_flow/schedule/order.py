@@ -20,11 +20,11 @@ from .skeletons import SHARDED, replicated_orders
 # Nominal seconds of one compute action at one visit.
 Duration = Callable[[Action, Visit], float]
 
-_UNIT = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0}
+_UNIT = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0}
 
 
 def unit_duration(action: Action, visit: Visit) -> float:
-    """One unit per layer forward, two per layer backward, one for an input-only backward."""
+    """One unit per layer forward, two per layer backward, one for each half of a split one."""
     return _UNIT[action.kind] * visit.layers
 
 
@@ -46,12 +46,14 @@ def streams(placement: Placement, num_microbatches: int) -> Streams:
         for p, rank in enumerate(group.ranks):
             if sharded:
                 steps = [group.skeleton.order(p, n, num_microbatches)]
-                slices = [group.slices[c * n + p] for c in range(group.skeleton.chunks)]
+                slices = [group.slices[group.skeleton.virtual_stage(c, p, n)]
+                          for c in range(group.skeleton.chunks)]
             else:
                 steps = replicated_orders(list(range(p, num_microbatches, n)))
                 slices = [tuple((r.name, r.num_layers) for r in group.regions)]
             expanded = [
-                [_expand(phase, m, slices[chunk], placement.backward, chunk * n + p if sharded else 0)
+                [_expand(phase, m, slices[chunk], placement.backward,
+                         group.skeleton.virtual_stage(chunk, p, n) if sharded else 0)
                  for phase, chunk, m in order]
                 for order in steps
             ]
@@ -72,13 +74,16 @@ def _expand(
     backward: dict[str, str | None],
     stage: int,
 ) -> list[Action]:
-    """A step on a (virtual) stage becomes one action per region slice held there."""
+    """A step on a (virtual) stage becomes one action per region slice held there.  Step
+    ``"B"`` runs each slice's first backward kind (``B`` or ``I``), step ``"W"`` (zero-bubble
+    skeletons) the weight-gradient half of a split one."""
     if phase == "F":
         return [Action(Kind.FORWARD, name, stage, microbatch) for name, _ in slices]
+    part = slice(0, 1) if phase == "B" else slice(1, None)
     return [
-        Action(Kind(backward[name]), name, stage, microbatch)
+        Action(Kind(letter), name, stage, microbatch)
         for name, _ in reversed(slices)
-        if backward[name]
+        for letter in (backward[name] or "")[part]
     ]
 
 
@@ -107,7 +112,7 @@ def merge(
     total = remaining = sum(len(s) for ss in rank_streams.values() for s in ss)
 
     def node(action: Action) -> tuple[str, int, int]:
-        phase = "F" if action.kind is Kind.FORWARD else "B"
+        phase = {Kind.FORWARD: "F", Kind.BACKWARD_WEIGHT: "W"}.get(action.kind, "B")
         return phase, action.microbatch, index[(action.microbatch, action.region, action.stage)]
 
     def inputs(action: Action) -> list[tuple[str, int, int]]:
@@ -115,6 +120,8 @@ def merge(
         extra = [node(waits[action])] if action in waits else []
         if phase == "F":
             return extra + ([("F", m, k - 1)] if k > 0 else [])
+        if phase == "W":  # the weight gradients follow the input gradients of the visit
+            return [("B", m, k)] + extra
         after = [("B", m, k + 1)] if k + 1 < len(paths[m]) and paths[m][k + 1].backward else []
         return [("F", m, k)] + after + extra
 

@@ -15,7 +15,7 @@ from typing import Sequence
 from .errors import ScheduleError
 from .regions import Region, backward_kinds
 from .seams import P2P, seam_rule
-from .skeletons import SHARDED, TRANSPOSED, Interleaved1F1B, Skeleton
+from .skeletons import SHARDED, TRANSPOSED, Skeleton
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Placement:
         for group in self.groups:
             if group.layout == SHARDED:
                 for v, stage_slices in enumerate(group.slices):
-                    rank = group.ranks[v % len(group.ranks)]
+                    rank = group.ranks[group.skeleton.rank_of(v, len(group.ranks))]
                     labels[rank] += [f"{name}.s{v}" for name, _ in stage_slices]
             else:
                 for rank in group.ranks:
@@ -136,9 +136,7 @@ def _group(segments: list[tuple[Skeleton, list[Region]]]) -> list[Group]:
             last = groups[-1]
             where = f"seam {last.regions[-1].name!r} -> {members[0].name!r}"
             if seam_rule(last.layout, skeleton.layout, where).joins_pipeline:
-                if type(last.skeleton) is not type(skeleton) or isinstance(
-                    skeleton, Interleaved1F1B
-                ):
+                if type(last.skeleton) is not type(skeleton) or skeleton.chunks > 1:
                     raise ScheduleError(
                         f"{where}: a {type(last.skeleton).__name__} pipeline can be extended "
                         f"only by the same non-interleaved order, not {type(skeleton).__name__}"
@@ -219,7 +217,7 @@ def _group_visits(group: Group, microbatch: int) -> list[tuple[str, int, int, in
     """(region, stage, rank, layers) of one group's visits for a microbatch."""
     if group.layout == SHARDED:
         return [
-            (name, v, group.ranks[v % len(group.ranks)], layers)
+            (name, v, group.ranks[group.skeleton.rank_of(v, len(group.ranks))], layers)
             for v, stage_slices in enumerate(group.slices)
             for name, layers in stage_slices
         ]

@@ -61,7 +61,9 @@ def check_cover(regions: Sequence[Region], num_layers: int | None = None) -> Non
 
 
 def backward_kinds(regions: Sequence[Region]) -> dict[str, str | None]:
-    """Per region: "B" (trainable), "I" (frozen, on the gradient path) or None (no backward).
+    """Per region, the backward actions of one visit, as their kind letters: "B"
+    (trainable), "IW" (trainable under a skeleton that splits the backward: input gradients,
+    later weight gradients), "I" (frozen, on the gradient path) or None (no backward).
 
     Gradients flow from the loss back to the first trainable region, so a region needs a
     backward pass exactly when it or some region before it is trainable.
@@ -70,5 +72,8 @@ def backward_kinds(regions: Sequence[Region]) -> dict[str, str | None]:
     seen_trainable = False
     for region in regions:
         seen_trainable = seen_trainable or region.trainable
-        kinds[region.name] = "B" if region.trainable else ("I" if seen_trainable else None)
+        if region.trainable:
+            kinds[region.name] = "IW" if region.skeleton.splits_backward else "B"
+        else:
+            kinds[region.name] = "I" if seen_trainable else None
     return kinds

@@ -10,7 +10,9 @@ budget and several schedules, each one of four layouts built from the algebra:
 ``transpose``  Mpipe's ``<transpose, 1f1b>``: the ViT replicated over the LLM's stages;
 ``decoupled``  FlowTrain's producer on ``encoder_ranks`` ranks of its own, through the pool.
 
-``transpose`` and ``decoupled`` take ``encoder_in_flight``: the most microbatches whose
+Every layout takes ``backbone``: the LLM's sharded skeleton, ``1f1b`` (default), ``zb-h1`` or
+``zb-v`` (:mod:`.zero_bubble`), so ``{layout: transpose, backbone: zb-h1}`` is
+``<transpose, zb-h1>``.  ``transpose`` and ``decoupled`` take ``encoder_in_flight``: the most microbatches whose
 ViT activations one rank holds (see ``max_in_flight`` of the replicated skeletons).
 
 Every schedule is simulated for ``seeds`` steps (encoder jitter and pack costs differ per
@@ -36,8 +38,10 @@ from .regions import Region
 from .simulate import simulate
 from .skeletons import Decoupled, OneFOneB, Transpose
 from .validate import validate
+from .zero_bubble import ZeroBubbleH1, ZeroBubbleV
 
 LAYOUTS = ("megatron", "disttrain", "transpose", "decoupled")
+BACKBONES = {"1f1b": OneFOneB, "zb-h1": ZeroBubbleH1, "zb-v": ZeroBubbleV}
 _MB = 2**20
 
 
@@ -70,12 +74,16 @@ def build_regions(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> lis
     vit, llm = _need(config, "regions", "vit"), _need(config, "regions", "llm")
     layout = schedule.get("layout")
     stages = _need(schedule, "stages")
-    llm_skeleton = OneFOneB(stages=stages)
+    backbone = BACKBONES.get(schedule.get("backbone", "1f1b"))
+    if backbone is None:
+        raise ScheduleError(f"schedule {schedule.get('name')!r}: backbone {schedule['backbone']!r} "
+                            f"is not one of {tuple(BACKBONES)}")
+    llm_skeleton = backbone(stages=stages)
     if layout == "megatron":
-        shared = OneFOneB(stages=stages, layers=tuple(schedule["layers"]) if "layers" in schedule else None)
+        shared = backbone(stages=stages, layers=tuple(schedule["layers"]) if "layers" in schedule else None)
         vit_skeleton = llm_skeleton = shared
     elif layout == "disttrain":
-        vit_skeleton = OneFOneB(stages=schedule.get("encoder_stages", 1))
+        vit_skeleton = backbone(stages=schedule.get("encoder_stages", 1))
     elif layout == "transpose":
         vit_skeleton = Transpose(max_in_flight=schedule.get("encoder_in_flight"))
     elif layout == "decoupled":

@@ -174,6 +174,8 @@ def _compute(
     if not visit.backward:  # nothing is kept for a backward pass that never comes
         return
     state = live[rank]
+    if action.kind in BACKWARDS and action.kind.value != visit.backward[-1]:
+        return  # the input-gradient half of a split backward: the weight half still needs them
     sign = -1 if action.kind in BACKWARDS else 1
     state[0] += sign
     state[1] += sign * costs.stored_bytes(visit)

@@ -89,7 +89,7 @@ def _check_complete(plan: Plan) -> None:
     )
     for m, path in enumerate(plan.paths):
         for v in path:
-            expected = [Kind.FORWARD] + ([Kind(v.backward)] if v.backward else [])
+            expected = [Kind.FORWARD] + [Kind(letter) for letter in v.backward or ""]
             for kind in expected:
                 count = seen.pop((kind, m, v.region, v.stage), 0)
                 if count != 1:
@@ -115,16 +115,19 @@ def _check_dataflow(plan: Plan, rank: int, program: Sequence[Action]) -> None:
         if a.kind is Kind.FORWARD:
             needs = [f"{path[k - 1].tag}:act"] if k > 0 else []
             makes = [f"{visit.tag}:act", f"{visit.tag}:fwd"]
+        elif a.kind is Kind.BACKWARD_WEIGHT:
+            needs = [f"{visit.tag}:input-grads"]
         elif a.kind in BACKWARDS:
             needs = [f"{visit.tag}:fwd"] + ([f"{visit.tag}:grad"] if k + 1 < len(path) else [])
-            makes = [f"{path[k - 1].tag}:grad"] if k > 0 else []
+            makes = ([f"{path[k - 1].tag}:grad"] if k > 0 else []) + [f"{visit.tag}:input-grads"]
         elif a.kind in SENDS:
             needs = [a.key]
         elif a.kind in RECVS:
             makes = [a.key]
         for need in needs:
             if (need, m) not in held:
-                what = "forward" if need.endswith(":fwd") else f"[{need}]"
+                what = {"fwd": "forward", "input-grads": "input-gradient backward"}.get(
+                    need.rpartition(":")[2], f"[{need}]")
                 raise ScheduleError(
                     f"{describe(plan.programs, (rank, i))}: needs {what} of mb{m} "
                     "earlier on this rank (microbatch order broken)"
