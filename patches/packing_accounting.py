@@ -1,0 +1,21 @@
+"""Feature ``packing`` (``--flow-packing``): consumed samples, tokens and the LR schedule
+count the samples packed microbatches really held (see
+:mod:`mindspeed_flow.adapters.mindspeed_mm_training`).  The loader swap itself is declared
+with the loader's patches."""
+
+from mindspeed_flow.adapters import mindspeed_mm_training
+from mindspeed_flow.patching import Patch
+
+FEATURE = "packing"
+MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
+
+PATCHES = [
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.training:train_step",
+        wrapper=mindspeed_mm_training.train_step_real_samples,
+        params="forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, call_backs",
+        checked=MINDSPEED_MM,
+        description="consumed samples / LR increment from the loader's real samples per step, not dp*mbs*microbatches",
+    ),
+]
