@@ -7,9 +7,12 @@ without running a model (the same idea as ``torch.distributed.pipelining``'s ``_
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
+
+from .errors import ScheduleError
 
 
 class Kind(str, Enum):
@@ -39,6 +42,14 @@ RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD, Kind.POOL_GET})
 COLLECTIVES = frozenset({Kind.PARAM_BROADCAST, Kind.GRAD_REDUCE})
 # The receive that completes each point-to-point send.
 MATCHING_RECV = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
+# What ``str(action)`` prints, read back by :meth:`Action.from_str`.
+_TEXT = re.compile(
+    r"^(?P<kind>\S+)\s+(?P<region>\S+?)\.s(?P<stage>\d+)"
+    r"(?:\s+mb(?P<microbatch>\d+))?"
+    r"(?:\s+(?P<arrow>->|<-)\s*r(?P<peer>\d+))?"
+    r"(?:\s+\[(?P<key>[^\]]+)\])?"
+    r"(?:\s+group=\[(?P<group>[\d,\s]*)\])?\s*$"
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,42 @@ class Action:
     peer: int | None = None
     key: str = ""
     group: tuple[int, ...] = ()
+
+    @classmethod
+    def from_str(cls, text: str) -> Action:
+        """Parse what ``str(action)`` prints (``SEND_A llm.s0 mb3 -> r1 [llm.s0:act]``),
+        so hand-edited programs can be read back; raises :class:`.ScheduleError` naming the
+        fault."""
+        match = _TEXT.match(text.strip())
+        if not match:
+            raise ScheduleError(
+                f"cannot read action {text.strip()!r}: expected `KIND region.sSTAGE [mbN] "
+                "[-> rP | <- rP] [[key]] [group=[r, ...]]`"
+            )
+        try:
+            kind = Kind(match["kind"])
+        except ValueError:
+            raise ScheduleError(
+                f"action {text.strip()!r}: unknown kind {match['kind']!r}, expected one of "
+                f"{[k.value for k in Kind]}"
+            ) from None
+        arrow = match["arrow"]
+        wanted = "->" if kind in SENDS else "<-" if kind in RECVS else None
+        if arrow != wanted:
+            raise ScheduleError(
+                f"action {text.strip()!r}: a {kind.value} takes "
+                + (f"`{wanted} r<peer>`" if wanted else "no peer")
+            )
+        group = tuple(int(r) for r in match["group"].replace(",", " ").split()) if match["group"] else ()
+        return cls(
+            kind,
+            match["region"],
+            int(match["stage"]),
+            None if match["microbatch"] is None else int(match["microbatch"]),
+            peer=None if match["peer"] is None else int(match["peer"]),
+            key=match["key"] or "",
+            group=group,
+        )
 
     def __str__(self) -> str:
         text = f"{self.kind.value:<6} {self.region}.s{self.stage}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Mapping
 
 from .actions import Action, format_program
@@ -47,3 +48,39 @@ class Plan:
             f"# rank {rank}: {self.roles.get(rank, '')}\n{format_program(rank, program)}"
             for rank, program in sorted(self.programs.items())
         )
+
+    # Text round trip and grid live in .listing, which builds plans and so imports this
+    # module: the methods below import it when called.
+
+    def dumps(self) -> str:
+        """The plan as text (header with the regions, then :meth:`format`); see :mod:`.listing`."""
+        from .listing import dumps
+
+        return dumps(self)
+
+    def dump(self, path: str | Path) -> Path:
+        """Write :meth:`dumps` to ``path``, to edit by hand and :meth:`load` again."""
+        from .listing import dump
+
+        return dump(self, path)
+
+    @classmethod
+    def loads(cls, text: str, source: str = "<text>") -> Plan:
+        """Read :meth:`dumps`' text back; errors name ``source`` and the line."""
+        from .listing import loads
+
+        return loads(text, source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a file written by :meth:`dump`, possibly edited by hand."""
+        from .listing import load
+
+        return load(path)
+
+    def grid(self, against: Plan | None = None) -> str:
+        """Steps by ranks, one step per compute; with ``against``, differing cells read
+        ``before>after`` (see :func:`.listing.format_grid`)."""
+        from .listing import format_grid
+
+        return format_grid(self, against)
