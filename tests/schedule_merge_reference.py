@@ -31,7 +31,7 @@ def scan_merge(
     timeline: dict[int, list[Timed]] = {rank: [] for rank in rank_streams}
 
     def step_of(action):
-        pass_ = "F" if action.kind is Kind.FORWARD else "B"
+        pass_ = {Kind.FORWARD: "F", Kind.BACKWARD_WEIGHT: "W"}.get(action.kind, "B")
         return pass_, action.microbatch, position[(action.microbatch, action.region, action.stage)]
 
     def needs(action):
@@ -39,6 +39,8 @@ def scan_merge(
         window = [step_of(waits[action])] if action in waits else []
         if pass_ == "F":
             return window + ([("F", m, k - 1)] if k > 0 else [])
+        if pass_ == "W":
+            return [("B", m, k)] + window
         later = [("B", m, k + 1)] if k + 1 < len(paths[m]) and paths[m][k + 1].backward else []
         return [("F", m, k)] + later + window
 

@@ -21,6 +21,7 @@ from mindspeed_flow.schedule import (
 )
 from mindspeed_flow.schedule.order import merge, streams
 from mindspeed_flow.schedule.placement import Placement
+from mindspeed_flow.schedule.zero_bubble import ZeroBubbleH1
 
 
 def _inputs(regions, microbatches):
@@ -38,7 +39,7 @@ def _weighted(action, visit):
 @settings(max_examples=120, deadline=None)
 @given(
     encoder=st.sampled_from(["1f1b", "transpose", "decoupled", "head"]),
-    backbone=st.sampled_from(["1f1b", "gpipe", "interleaved"]),
+    backbone=st.sampled_from(["1f1b", "gpipe", "interleaved", "zb-h1"]),
     stages=st.integers(1, 5),
     ranks=st.integers(1, 3),
     window=st.sampled_from([None, 2, 4]),
@@ -48,12 +49,12 @@ def _weighted(action, visit):
 )
 def test_heap_merge_picks_what_the_scan_picks(encoder, backbone, stages, ranks, window, microbatches,
                                               trainable, weighted):
-    if encoder == "1f1b" and backbone != "1f1b":
+    if encoder == "1f1b" and backbone not in ("1f1b", "zb-h1"):
         encoder = "transpose"  # only equal non-interleaved orders join into one pipeline
     if backbone == "interleaved":
         microbatches *= stages
     llm = {"1f1b": OneFOneB(stages=stages), "gpipe": GPipe(stages=stages),
-           "interleaved": Interleaved1F1B(stages=stages)}[backbone]
+           "interleaved": Interleaved1F1B(stages=stages), "zb-h1": ZeroBubbleH1(stages=stages)}[backbone]
     if encoder == "head":
         regions = [Region("llm", 4 * stages, llm, trainable=trainable[1]),
                    Region("head", 1, Transpose(max_in_flight=window), trainable=trainable[0])]

@@ -118,44 +118,47 @@ def merge(
     rank_streams, waits = plan_streams
     index = {(m, v.region, v.stage): k for m, path in enumerate(paths) for k, v in enumerate(path)}
     has_backward = [[v.backward is not None for v in path] for path in paths]
-    finish: dict[Node, float] = {}
-    free = {rank: 0.0 for rank in rank_streams}
-    heads = {rank: [0] * len(s) for rank, s in rank_streams.items()}
-    order: dict[int, list[Timed]] = {rank: [] for rank in rank_streams}
-    stamp: dict[tuple[int, int], int] = {}  # the latest keying of each order's next step
-    ready: list[tuple[float, int, int, int, int]] = []  # (start, -k, rank, order, stamp)
-    blocked: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)  # input -> (rank, order, stamp)
-    total = sum(len(s) for ss in rank_streams.values() for s in ss)
 
     def node(action: Action) -> Node:
         phase = {Kind.FORWARD: "F", Kind.BACKWARD_WEIGHT: "W"}.get(action.kind, "B")
         return phase, action.microbatch, index[(action.microbatch, action.region, action.stage)]
 
-    def inputs(action: Action) -> list[Node]:
-        phase, m, k = node(action)
-        extra = [node(waits[action])] if action in waits else []
+    nodes = {rank: [[node(a) for a in stream] for stream in ss] for rank, ss in rank_streams.items()}
+    extra = {node(a): node(b) for a, b in waits.items()}
+    finish: dict[Node, float] = {}
+    free = {rank: 0.0 for rank in rank_streams}
+    heads = {rank: [0] * len(s) for rank, s in rank_streams.items()}
+    order: dict[int, list[Timed]] = {rank: [] for rank in rank_streams}
+    stamp = {(rank, s): 0 for rank, ss in rank_streams.items() for s in range(len(ss))}  # latest keying
+    ready: list[tuple[float, int, int, int, int]] = []  # (start, -k, rank, order, stamp)
+    blocked: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)  # input -> (rank, order, stamp)
+    total = sum(len(s) for ss in rank_streams.values() for s in ss)
+
+    def inputs(step: Node) -> list[Node]:
+        phase, m, k = step
+        wait = [extra[step]] if step in extra else []
         if phase == "F":
-            return extra + ([("F", m, k - 1)] if k > 0 else [])
+            return wait + ([("F", m, k - 1)] if k > 0 else [])
         if phase == "W":  # the weight gradients follow the input gradients of the visit
-            return [("B", m, k)] + extra
+            return [("B", m, k)] + wait
         after = [("B", m, k + 1)] if k + 1 < len(has_backward[m]) and has_backward[m][k + 1] else []
-        return [("F", m, k)] + after + extra
+        return [("F", m, k)] + after + wait
 
     def key(rank: int, s: int) -> None:
         """(Re)place the next step of order ``s`` on ``rank``: on the heap if its inputs are
         done, else under the first input it lacks."""
-        stream = rank_streams[rank][s]
+        stream = nodes[rank][s]
         if heads[rank][s] == len(stream):
             return
-        stamp[(rank, s)] = current = stamp.get((rank, s), 0) + 1
-        action = stream[heads[rank][s]]
-        needs = inputs(action)
-        missing = next((n for n in needs if n not in finish), None)
-        if missing is not None:
-            blocked[missing].append((rank, s, current))
-            return
-        start = max([free[rank]] + [finish[n] for n in needs])
-        heapq.heappush(ready, (start, -node(action)[2], rank, s, current))
+        stamp[(rank, s)] = current = stamp[(rank, s)] + 1
+        step = stream[heads[rank][s]]
+        start = free[rank]
+        for need in inputs(step):
+            if need not in finish:
+                blocked[need].append((rank, s, current))
+                return
+            start = max(start, finish[need])
+        heapq.heappush(ready, (start, -step[2], rank, s, current))
 
     for rank, ss in rank_streams.items():
         for s in range(len(ss)):
@@ -167,7 +170,7 @@ def merge(
             raise ScheduleError("skeleton orders cannot be merged: " + _stuck(rank_streams, heads))
         start, _, rank, s, _ = heapq.heappop(ready)
         action = rank_streams[rank][s][heads[rank][s]]
-        done = node(action)
+        done = nodes[rank][s][heads[rank][s]]
         _, m, k = done
         finish[done] = free[rank] = start + duration(action, paths[m][k])
         order[rank].append(Timed(action, start, free[rank], pick))
