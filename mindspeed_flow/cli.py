@@ -13,6 +13,7 @@ from mindspeed_flow import __version__
 SUBCOMMAND_MODULES = (
     "mindspeed_flow.doctor",
     "mindspeed_flow.schedule.cli",
+    "mindspeed_flow.schedule.plan_cli",
     "mindspeed_flow.attention.conv_matmul_cli",
 )
 

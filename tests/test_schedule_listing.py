@@ -115,3 +115,29 @@ def test_bad_plan_files_name_file_and_line(tmp_path, edit, message):
         Plan.load(path)
     with pytest.raises(ScheduleError, match="cannot read"):
         Plan.load(tmp_path / "missing.txt")
+
+
+def test_plan_command_dumps_checks_and_diffs(tmp_path, capsys):
+    import yaml
+
+    from mindspeed_flow.cli import main
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "devices_per_rank": 1, "num_microbatches": 4, "packing_cv": {"unbalanced": 0.0},
+        "regions": {"vit": {"layers": 2, "forward_ms": 100}, "llm": {"layers": 8, "forward_ms": 400}},
+        "schedules": [{"name": "zb", "layout": "transpose", "backbone": "zb-h1", "stages": 2}],
+    }))
+    original = tmp_path / "zb.txt"
+    assert main(["plan", "dump", str(config), "zb", "-o", str(original), "--semantics", "rendezvous"]) == 0
+    assert "# semantics rendezvous" in original.read_text()
+    assert main(["plan", "check", str(original)]) == 0
+    out = capsys.readouterr().out
+    assert "valid under rendezvous semantics" in out and "Rank 1" in out
+    lines = original.read_text().splitlines()
+    edited = tmp_path / "edited.txt"
+    edited.write_text("\n".join(line for line in lines if "W      llm.s1 mb3" not in line))
+    assert main(["plan", "check", str(edited), "--against", str(original)]) == 1
+    assert "W llm.s1 mb3 runs 0 times on rank 1, expected once" in capsys.readouterr().err
+    assert main(["plan", "dump", str(config), "zb-h2"]) == 1
+    assert "no schedule 'zb-h2', expected one of ['zb']" in capsys.readouterr().err

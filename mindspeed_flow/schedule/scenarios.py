@@ -121,11 +121,11 @@ def build_costs(config: Mapping[str, Any], schedule: Mapping[str, Any], seed: in
     )
 
 
-def plan_for(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> Plan:
+def plan_for(config: Mapping[str, Any], schedule: Mapping[str, Any], semantics: str = "eager") -> Plan:
     """Compose and validate one schedule entry; its nominal costs order shared ranks."""
     nominal = build_costs(config, schedule, seed=0).nominal()
     plan = compose(build_regions(config, schedule), _need(config, "num_microbatches"),
-                   duration=nominal.compute_seconds)
+                   duration=nominal.compute_seconds, semantics=semantics)
     validate(plan)
     return plan
 
