@@ -16,6 +16,8 @@ from mindspeed_flow.schedule import (
     Region,
     ScheduleError,
     Transpose,
+    ZeroBubbleH1,
+    ZeroBubbleV,
     compose,
     format_program,
     validate,
@@ -264,13 +266,15 @@ def _skeleton(kind, stages, ranks):
         "transpose": Transpose(),
         "decoupled": Decoupled(ranks=ranks),
         "interleaved": Interleaved1F1B(stages=stages),
+        "zb-h1": ZeroBubbleH1(stages=stages),
+        "zb-v": ZeroBubbleV(stages=stages),
     }[kind]
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     encoder=st.sampled_from(["1f1b", "transpose", "decoupled"]),
-    backbone=st.sampled_from(["1f1b", "gpipe", "interleaved"]),
+    backbone=st.sampled_from(["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"]),
     stages=st.integers(1, 4),
     ranks=st.integers(1, 3),
     microbatches=st.integers(1, 9),
