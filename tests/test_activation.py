@@ -56,9 +56,9 @@ def test_flag_on_an_unchanged_command_line_activates():
 
 
 def test_environment_variable_activates_like_the_flag():
-    run = run_python(PROBE, env={"MINDSPEED_FLOW_FLAGS": "--flow-packing"})
-    assert last_json(run)["enabled"] == expected({"packing"}) == ["core"]
-    assert "feature 'packing' has no patches in this version" in run.stderr
+    run = run_python(PROBE, env={"MINDSPEED_FLOW_FLAGS": "--flow-packing --flow-pool"})
+    assert last_json(run)["enabled"] == expected({"packing", "pool"}) == ["core", "packing"]
+    assert "feature 'pool' has no patches in this version" in run.stderr
 
 
 def test_launcher_runs_a_script_as_main_with_the_plugin_active(tmp_path):
@@ -87,7 +87,7 @@ def test_python_dash_m_launch_with_the_flag_also_seen_by_the_hook(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", str(script), "--use-flowtrain"],
                           capture_output=True, text=True, timeout=120)
     assert last_json(proc)["enabled"] == expected("all")
-    assert proc.stderr.count("feature 'packing' has no patches") == 1
+    assert proc.stderr.count("feature 'pool' has no patches") == 1
 
 
 def test_under_torchrun_each_worker_runs_the_script_with_the_plugin_active(tmp_path):
