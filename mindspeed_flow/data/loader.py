@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
@@ -141,6 +142,7 @@ class FlowDataLoader:
         self._closed: list[list[Key]] = []  # closed packs waiting for their step's dispatch
         self._ready: deque[list[Key]] = deque()  # ordered packs, next to be yielded
         self._stream_state: Optional[dict] = None  # StatefulDataLoader state; None: epoch start
+        self._drained = False  # True once the epoch's stream has ended (the packer is flushed)
         self._live: Optional[StatefulDataLoader] = None
 
     # ------------------------------------------------------------------ iteration
@@ -156,19 +158,22 @@ class FlowDataLoader:
             broadcast.send_end(self.src, self.group, self.device)
 
     def _epoch(self) -> Iterator[dict[str, Any]]:
-        self._stream_state = self._current_stream_state()
-        loader = self._stream_loader()
-        self._live = loader
-        for item in loader:
-            self._take(item)
-            while self._ready:
-                yield self._emit(self._ready.popleft())
-        self._live = None
-        self._stream_state = None
-        self._closed.extend(self._packer.flush())
-        self._order_closed(final=True)
+        if not self._drained:
+            self._stream_state = self._current_stream_state()
+            loader = self._stream_loader()
+            self._live = loader
+            for item in loader:
+                self._take(item)
+                while self._ready:
+                    yield self._emit(self._ready.popleft())
+            self._live = None
+            self._stream_state = None
+            self._drained = True  # the epoch's records are all read; what is left is in the packer
+            self._closed.extend(self._packer.flush())
+            self._order_closed(final=True)
         while self._ready:
             yield self._emit(self._ready.popleft())
+        self._drained = False
         self.epoch += 1
         self.stats.epochs += 1
 
@@ -176,8 +181,10 @@ class FlowDataLoader:
         stream = RankStream(self._decoder, self.seed, self.dp_rank, self.dp_size, self.shuffle)
         stream.epoch = self.epoch
         extra = {} if self.num_workers == 0 or self.prefetch_factor is None else {"prefetch_factor": self.prefetch_factor}
-        loader = StatefulDataLoader(stream, batch_size=None, num_workers=self.num_workers, collate_fn=_unbatched,
-                                    multiprocessing_context="spawn" if self.num_workers else None, **extra)
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch's deprecated set_vital
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            loader = StatefulDataLoader(stream, batch_size=None, num_workers=self.num_workers,
+                                        collate_fn=_unbatched, **extra)
         if self._stream_state is not None:
             loader.load_state_dict(self._stream_state)
         return loader
@@ -242,6 +249,7 @@ class FlowDataLoader:
             **state,
             "epoch": self.epoch,
             "stream": self._current_stream_state(),
+            "drained": self._drained,
             "packer": pickle.dumps(self._packer),
             "held": sorted(self._held),
             "closed": [list(p) for p in self._closed],
@@ -264,6 +272,7 @@ class FlowDataLoader:
         self._live = None  # an unfinished loop's position is replaced by the saved one
         self.epoch = int(state["epoch"])
         self._stream_state = state["stream"]
+        self._drained = bool(state["drained"])
         self._packer = pickle.loads(state["packer"])
         self._held = self._redecode([tuple(k) for k in state["held"]])
         self._closed = [[tuple(k) for k in p] for p in state["closed"]]
