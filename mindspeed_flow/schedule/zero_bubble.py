@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar
 
+from .errors import ScheduleError
 from .skeletons import Step, _Sharded
 
 
@@ -115,6 +116,8 @@ def _v_orders(num_stages: int, num_microbatches: int) -> tuple[tuple[Step, ...],
                 pick = ("W",) + pending_weights[rank].pop(0)
             if pick is not None:
                 picks.append((rank, pick))
+        if not picks:  # every step lasts one slot: an empty slot would repeat forever
+            raise ScheduleError(f"ZeroBubbleV: no rank can move at slot {slot} ({remaining} steps left)")
         for rank, (phase, v, m) in picks:
             done[(phase, v, m)] = slot + 1
             orders[rank].append((phase, v // p, m))
