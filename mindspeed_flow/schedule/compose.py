@@ -41,7 +41,7 @@ from .placement import Placement, Visit
 from .plan import Plan
 from .regions import Region, check_cover
 from .seams import POOL
-from .skeletons import SHARDED
+from .skeletons import PREFIX, SHARDED
 
 _TRANSPORTS = ("p2p", POOL)
 _KINDS = {  # (direction, transport) -> (send kind, receive kind)
@@ -152,6 +152,8 @@ def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]
             send_kind, recv_kind = _KINDS[(direction, downstream.inbound)]
             key = f"{tensor.tag}:{direction}"
             sender, producer = where[(forward, m, source)]
+            if sender == rank:
+                continue  # a gradient made where a recomputed backward runs
             found.append(_Transfer(
                 send=Action(send_kind, up.region, up.stage, m, peer=rank, key=key),
                 recv=Action(recv_kind, a.region, a.stage, m, peer=sender, key=key),
@@ -159,6 +161,18 @@ def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]
                 receiver=rank,
                 producer=producer,
                 consumer=consumer,
+            ))
+    for m, path in enumerate(paths):  # a recomputed backward needs the region's input
+        first = path[0]
+        if first.backward_rank is not None:
+            key = f"{first.tag}:input"
+            found.append(_Transfer(
+                send=Action(Kind.SEND_ACT, first.region, first.stage, m, peer=first.backward_rank, key=key),
+                recv=Action(Kind.RECV_ACT, first.region, first.stage, m, peer=first.rank, key=key),
+                sender=first.rank,
+                receiver=first.backward_rank,
+                producer=where[(True, m, 0)][1],
+                consumer=where[(False, m, 0)][1],
             ))
     return found
 
@@ -170,14 +184,31 @@ def _assemble(
     placement: Placement,
 ) -> dict[int, list[Action]]:
     """Place every transfer's two ends between the computes of their ranks: just in time,
-    or all transfers in one global order; then add the collectives."""
+    or all transfers in one global order; then add the collectives.
+
+    Just in time, a transposed region with ``order="prefix"`` hands its forwards on as the
+    public Mpipe code does: in one block after every rank's prefix of forwards (outputs,
+    then inputs for a recomputed backward, each by microbatch), and the feature gradients of
+    an owner backward in one block after the first stage's last compute."""
     # rank -> slot (the number of computes before it) -> (sort key, action)
     slots: dict[int, dict[int, list]] = {rank: defaultdict(list) for rank in timeline}
     index = {(rank, t.pick): i for rank, timed in timeline.items() for i, t in enumerate(timed)}
+    prefixed = {r.name for g in placement.groups if getattr(g.skeleton, "order", None) == PREFIX
+                for r in g.regions}
+    prefix = {rank: next((i for i, t in enumerate(timed) if t.action.kind is not Kind.FORWARD
+                          or t.action.region not in prefixed), len(timed))
+              for rank, timed in timeline.items()}
     if in_one_order:
         moments = {rank: [(t.start, t.pick) for t in timed] for rank, timed in timeline.items()}
     for seq, tr in enumerate(transfers):
-        if not in_one_order:
+        if not in_one_order and tr.send.kind is Kind.SEND_ACT and tr.send.region in prefixed:
+            send_slot, recv_slot = prefix[tr.sender], prefix[tr.receiver]
+            send_order = recv_order = (-1, tr.send.key.endswith(":input"), tr.send.microbatch)
+        elif not in_one_order and tr.recv.kind is Kind.RECV_GRAD and tr.recv.region in prefixed:
+            send_slot = len(timeline[tr.sender])
+            recv_slot = index[(tr.receiver, tr.consumer.pick)]
+            send_order, recv_order = (2, tr.send.microbatch), (1, seq)
+        elif not in_one_order:
             send_slot = index[(tr.sender, tr.producer.pick)] + 1
             recv_slot = index[(tr.receiver, tr.consumer.pick)]
             send_order, recv_order = (0, seq), (1, seq)
@@ -209,6 +240,8 @@ def _add_collectives(programs: dict[int, list[Action]], placement: Placement) ->
         if group.layout == SHARDED or len(group.ranks) < 2:
             continue
         trainable = [region.name for region in group.regions if region.trainable]
+        # a recomputed backward runs on one rank: its gradients need no reduce
+        reduced = [] if group.recomputes else trainable
         for rank in group.ranks:
             programs[rank][:0] = [Action(Kind.PARAM_BROADCAST, n, group=group.ranks) for n in trainable]
-            programs[rank] += [Action(Kind.GRAD_REDUCE, n, group=group.ranks) for n in trainable]
+            programs[rank] += [Action(Kind.GRAD_REDUCE, n, group=group.ranks) for n in reduced]

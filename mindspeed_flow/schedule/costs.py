@@ -65,6 +65,8 @@ class RegionCost:
             half of a split one) over forward time; the weight-gradient half of a split
             backward takes ``backward_ratio - input_grad_ratio``.
         output_bytes: bytes of the activations leaving any stage of the region.
+        input_bytes: bytes of the region's input (pixels of a ViT), shipped to where a
+            ``Transpose(backward="recompute")`` backward recomputes the forward.
         stored_bytes: activations kept for the backward pass.
         param_bytes: parameters (broadcast, gradient reduce of replicated regions).
         jitter: per-microbatch forward time, for an encoder whose load varies.
@@ -74,6 +76,7 @@ class RegionCost:
     backward_ratio: float = 2.0
     input_grad_ratio: float = 1.0
     output_bytes: float = 0.0
+    input_bytes: float = 0.0
     stored_bytes: float = 0.0
     param_bytes: float = 0.0
     jitter: Jitter | None = None
@@ -124,6 +127,8 @@ class CostTable:
         ratio = {Kind.FORWARD: 1.0, Kind.BACKWARD: cost.backward_ratio,
                  Kind.BACKWARD_INPUT: cost.input_grad_ratio,
                  Kind.BACKWARD_WEIGHT: cost.backward_ratio - cost.input_grad_ratio}[action.kind]
+        if action.kind is not Kind.FORWARD and visit.backward_rank is not None:
+            ratio += 1.0  # the backward runs away from its forward: the forward is recomputed
         return base * ratio * visit.share
 
     def transfer_seconds(self, action: Action) -> float:
@@ -138,6 +143,8 @@ class CostTable:
             return self.link.seconds(2 * (n - 1) / n * cost.param_bytes)
         if action.kind is Kind.POOL_GET and self.pool is not None:
             return self.pool.seconds(cost.output_bytes)
+        if action.key.endswith(":input"):
+            return self.link.seconds(cost.input_bytes)
         return self.link.seconds(cost.output_bytes)
 
     def stored_bytes(self, visit: Visit) -> float:

@@ -16,8 +16,8 @@ from typing import Callable, NamedTuple, Sequence
 
 from .actions import Action, Kind
 from .errors import ScheduleError
-from .placement import Placement, Visit
-from .skeletons import SHARDED, replicated_orders
+from .placement import Group, Placement, Visit
+from .skeletons import PREFIX, SHARDED, replicated_orders
 
 # Nominal seconds of one compute action at one visit.
 Duration = Callable[[Action, Visit], float]
@@ -28,8 +28,10 @@ _UNIT = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0, Kind.B
 
 
 def unit_duration(action: Action, visit: Visit) -> float:
-    """One unit per layer forward, two per layer backward, one for each half of a split one."""
-    return _UNIT[action.kind] * visit.layers
+    """One unit per layer forward, two per layer backward, one for each half of a split one;
+    a backward away from its forward recomputes that forward first (one more)."""
+    recompute = action.kind is not Kind.FORWARD and visit.backward_rank is not None
+    return (_UNIT[action.kind] + recompute) * visit.layers
 
 
 class Streams(NamedTuple):
@@ -44,16 +46,22 @@ def streams(placement: Placement, num_microbatches: int) -> Streams:
     """Per rank, the compute orders the skeletons prescribe for the groups running on it."""
     orders: dict[int, list[list[Action]]] = {r: [] for r in range(placement.num_ranks)}
     waits: dict[Action, Action] = {}
+    prefixes: dict[int, tuple[list[list[Action]], list[list[Action]], Visit]] = {}
     for group in placement.groups:
         n = len(group.ranks)
         sharded = group.layout == SHARDED
+        feeder = None if sharded else _feeder(placement, group)
         for p, rank in enumerate(group.ranks):
             if sharded:
                 steps = [group.skeleton.order(p, n, num_microbatches)]
                 slices = [group.slices[group.skeleton.virtual_stage(c, p, n)]
                           for c in range(group.skeleton.chunks)]
             else:
-                steps = replicated_orders(list(range(p, num_microbatches, n)))
+                owned = list(range(p, num_microbatches, n))
+                if group.recomputes:  # every backward on the rank of the stage it feeds
+                    steps = replicated_orders(owned, list(range(num_microbatches)) if rank == feeder.rank else [])
+                else:
+                    steps = replicated_orders(owned)
                 slices = [tuple((r.name, r.num_layers) for r in group.regions)]
             expanded = [
                 [_expand(phase, m, slices[chunk], placement.backward,
@@ -61,6 +69,9 @@ def streams(placement: Placement, num_microbatches: int) -> Streams:
                  for phase, chunk, m in order]
                 for order in steps
             ]
+            if getattr(group.skeleton, "order", None) == PREFIX:
+                prefixes[rank] = (*expanded, feeder)
+                continue
             orders[rank] += [[a for step in order for a in step] for order in expanded]
             window = None if sharded else group.skeleton.max_in_flight
             has_backward = not sharded and any(step for step in expanded[1])
@@ -68,7 +79,37 @@ def streams(placement: Placement, num_microbatches: int) -> Streams:
                 forwards, backwards = expanded
                 for k in range(window, len(forwards)):
                     waits[forwards[k][0]] = backwards[k - window][-1]
+    for rank, (forwards, backwards, feeder) in prefixes.items():
+        orders[rank] = [_prefixed(forwards, orders[rank], backwards, feeder)]
     return Streams(orders, waits)
+
+
+def _feeder(placement: Placement, group: Group) -> Visit | None:
+    """The visit right after a replicated group's regions: what its output feeds."""
+    path = placement.path(0)
+    names = {r.name for r in group.regions}
+    after = 1 + max(k for k, v in enumerate(path) if v.region in names)
+    return path[after] if after < len(path) else None
+
+
+def _prefixed(
+    forwards: list[list[Action]],
+    host: list[list[Action]],
+    backwards: list[list[Action]],
+    feeder: Visit,
+) -> list[Action]:
+    """A transposed region's ``order="prefix"`` on one rank, as the public Mpipe code runs
+    it: every forward of the region first, then the host pipeline's order unchanged, each
+    backward of the region right after the feeder's backward that yields its gradient when
+    that runs here (the first stage), the others at the end in microbatch order."""
+    pending = {step[0].microbatch: step for step in backwards if step}
+    combined = [a for step in forwards for a in step]
+    for a in (a for order in host for a in order):
+        combined.append(a)
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and (a.region, a.stage) == (
+                feeder.region, feeder.stage) and a.microbatch in pending:
+            combined += pending.pop(a.microbatch)
+    return combined + [a for m in sorted(pending) for a in pending[m]]
 
 
 def _expand(

@@ -9,13 +9,13 @@ result answers one question for compose, the validator and the simulator alike: 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .errors import ScheduleError
 from .regions import Region, backward_kinds
 from .seams import P2P, seam_rule
-from .skeletons import SHARDED, TRANSPOSED, Skeleton
+from .skeletons import PREFIX, RECOMPUTE, SHARDED, TRANSPOSED, Skeleton
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class Visit:
         backward: ``"B"``, ``"I"`` or ``None`` (see :func:`.regions.backward_kinds`).
         inbound: how its input arrives: ``"start"`` (first visit), ``"local"`` (same
             rank), ``"p2p"`` or ``"pool"``.
+        backward_rank: where the backward runs when not on ``rank``: a transposed region
+            with ``backward="recompute"`` ships its input there, and that rank recomputes
+            the forward before the backward (``None``: on ``rank``, from kept activations).
     """
 
     region: str
@@ -39,10 +42,16 @@ class Visit:
     share: float
     backward: str | None
     inbound: str
+    backward_rank: int | None = None
 
     @property
     def tag(self) -> str:
         return f"{self.region}.s{self.stage}"
+
+    @property
+    def backward_on(self) -> int:
+        """The rank that runs this visit's backward."""
+        return self.rank if self.backward_rank is None else self.backward_rank
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,12 @@ class Group:
     ranks: tuple[int, ...]
     slices: tuple[tuple[tuple[str, int], ...], ...] = ()
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether the group's backward runs on its pipeline's first stage, recomputed
+        (``Transpose(backward="recompute")``)."""
+        return getattr(self.skeleton, "backward", None) == RECOMPUTE
+
     def owner(self, microbatch: int) -> int:
         """The rank that runs a replicated group's microbatch."""
         return self.ranks[microbatch % len(self.ranks)]
@@ -77,6 +92,7 @@ class Placement:
         segments = _segments(regions)
         self.groups = _place(_group(segments))
         self.num_ranks = 1 + max(r for g in self.groups for r in g.ranks)
+        _check_transpose_options(self.groups)
 
     def path(self, microbatch: int) -> tuple[Visit, ...]:
         """Every visit of ``microbatch``, in model order."""
@@ -100,6 +116,9 @@ class Placement:
                 ))
                 transport = None
             previous = group
+        first = self.groups[0]
+        if first.recomputes and visits[0].backward and visits[1].rank != visits[0].rank:
+            visits[0] = replace(visits[0], backward_rank=visits[1].rank)
         return tuple(visits)
 
     def roles(self) -> dict[int, str]:
@@ -114,6 +133,29 @@ class Placement:
                 for rank in group.ranks:
                     labels[rank] += [f"{r.name}({group.layout})" for r in group.regions]
         return {rank: " + ".join(parts) for rank, parts in labels.items()}
+
+
+def _check_transpose_options(groups: list[Group]) -> None:
+    """``order="prefix"`` runs a transposed region ahead of the pipeline it feeds, and
+    ``backward="recompute"`` moves its backward to that pipeline's first stage, which
+    recomputes from the model's input: the region must come right before the pipeline it
+    runs on, and to recompute, be the model's first region, alone in its segment."""
+    for i, group in enumerate(groups):
+        prefix = getattr(group.skeleton, "order", None) == PREFIX
+        if group.layout != TRANSPOSED or not (prefix or group.recomputes):
+            continue
+        name = group.regions[0].name
+        said = "order='prefix'" if prefix else "backward='recompute'"
+        if i + 1 >= len(groups) or groups[i + 1].layout != SHARDED or groups[i + 1].ranks != group.ranks:
+            raise ScheduleError(
+                f"transposed region {name!r}: {said} needs the sharded pipeline it runs on "
+                "right after it"
+            )
+        if group.recomputes and (i != 0 or len(group.regions) != 1):
+            raise ScheduleError(
+                f"transposed region {name!r}: backward='recompute' needs a single region that "
+                "starts the model (its input is what the first stage recomputes from)"
+            )
 
 
 def _segments(regions: Sequence[Region]) -> list[tuple[Skeleton, list[Region]]]:

@@ -36,6 +36,7 @@ def check_replicas(plan: Plan) -> None:
         for name, group in groups.items()
         if trainable[name] and group.layout != SHARDED and len(group.ranks) > 1
         for kind in _WHAT
+        if not (kind is Kind.GRAD_REDUCE and group.recomputes)
     }
     calls = _check_each_collective(plan.programs, groups, trainable, expected)
     _check_every_member_once(plan.programs, expected, calls)
@@ -80,6 +81,9 @@ def _why_none(a: Action, group: Group, trainable: bool) -> str:
                 "across its pipeline stages")
     if not trainable:
         return f"region {a.region!r} is frozen: its replicas have no {_WHAT[a.kind]}"
+    if group.recomputes:
+        return (f"region {a.region!r} runs every backward on one rank (backward='recompute'): "
+                f"no {_WHAT[a.kind]}")
     return f"region {a.region!r} has a single replica: there is nothing to {a.kind.value.lower()}"
 
 

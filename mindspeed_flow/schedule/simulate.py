@@ -171,8 +171,8 @@ def _compute(
     start = clock[rank]
     clock[rank] = start + costs.compute_seconds(action, visit)
     intervals[rank].append(Interval(rank, start, clock[rank], action))
-    if not visit.backward:  # nothing is kept for a backward pass that never comes
-        return
+    if not visit.backward or visit.backward_rank is not None:
+        return  # nothing is kept for a backward pass that never comes, or is recomputed elsewhere
     state = live[rank]
     if action.kind in BACKWARDS and action.kind.value != visit.backward[-1]:
         return  # the input-gradient half of a split backward: the weight half still needs them

@@ -174,12 +174,52 @@ class _Replicated:
             )
 
 
-@dataclass(frozen=True)
+READY = "ready"
+PREFIX = "prefix"
+OWNER = "owner"
+RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Transpose(_Replicated):
     """Mpipe's replicated layout: microbatch ``m`` runs the whole region on one rank of the
-    neighbouring sharded pipeline (round robin), in the bubbles of that pipeline."""
+    neighbouring sharded pipeline (round robin), in the bubbles of that pipeline.
 
+    Attributes:
+        order: ``"ready"`` (default): each forward and backward of the region runs as soon
+            as it is ready, interleaved with the pipeline's own steps by :mod:`.order`.
+            ``"prefix"``: the order of the public Mpipe code (``ScheduleMPipeTranspose``):
+            every rank first runs the forwards of all its microbatches, then hands them on
+            in one block of sends; the pipeline's steps follow unchanged.
+        backward: where a trainable region's backward runs.  ``"owner"`` (default): on the
+            rank that ran the forward, which keeps the activations, gets the feature
+            gradient back after the pipeline's first stage and all-reduces the weight
+            gradients with the other replicas.  ``"recompute"`` (the public code's default
+            for a trainable region): the owner keeps nothing and ships the region's *input*
+            to the pipeline's first stage, which recomputes the forward and runs every
+            backward there; the gradients collect on that one rank, so nothing is reduced.
+            Only for a single region that starts the model and feeds its host pipeline.
+    """
+
+    order: str = READY
+    backward: str = OWNER
     layout: ClassVar[str] = TRANSPOSED
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.order not in (READY, PREFIX):
+            raise ScheduleError(f"Transpose: order must be {READY!r} or {PREFIX!r}, got {self.order!r}")
+        if self.backward not in (OWNER, RECOMPUTE):
+            raise ScheduleError(
+                f"Transpose: backward must be {OWNER!r} or {RECOMPUTE!r}, got {self.backward!r}")
+        if self.order == PREFIX and self.max_in_flight is not None:
+            raise ScheduleError(
+                "Transpose: order='prefix' runs every forward before the pipeline starts; "
+                "max_in_flight cannot bound it")
+        if self.backward == RECOMPUTE and self.max_in_flight is not None:
+            raise ScheduleError(
+                "Transpose: max_in_flight bounds the activations an owner keeps for its "
+                "backward, and with backward='recompute' owners keep none")
 
 
 @dataclass(frozen=True)
@@ -199,11 +239,14 @@ class Decoupled(_Replicated):
 Skeleton = Union[OneFOneB, GPipe, Interleaved1F1B, Transpose, Decoupled]
 
 
-def replicated_orders(owned: list[int]) -> list[list[Step]]:
-    """A replicated rank's orders: its microbatches' forwards, and their backwards.
+def replicated_orders(owned: list[int], backwards: list[int] | None = None) -> list[list[Step]]:
+    """A replicated rank's orders: its microbatches' forwards, and the backwards it runs
+    (those of ``owned``, unless ``backwards`` names others: ``Transpose(backward="recompute")``
+    runs every backward on one rank).
 
     They are two orders, not one: whether a backward should wait for later forwards (an
     encoder feeding a pipeline) or follow its forward at once (a head after it) depends on
     the neighbours, so :mod:`.order` interleaves them by readiness.
     """
-    return [[("F", 0, m) for m in owned], [("B", 0, m) for m in owned]]
+    backwards = owned if backwards is None else backwards
+    return [[("F", 0, m) for m in owned], [("B", 0, m) for m in backwards]]

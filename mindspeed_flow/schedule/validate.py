@@ -71,10 +71,13 @@ def _check_actions(plan: Plan) -> None:
             found = plan.visits.get((a.microbatch, a.region, a.stage))
             if found is None:
                 raise ScheduleError(f"{where}: region {a.region!r} has no stage {a.stage}")
-            if found[1].rank != rank:
+            # a recomputed backward (and the input it receives) runs where the visit says
+            remote = a.kind in BACKWARDS or a.kind in RECVS and a.key.endswith(":input")
+            placed = found[1].backward_on if remote else found[1].rank
+            if placed != rank:
                 raise ScheduleError(
                     f"{where}: {a.region}.s{a.stage} mb{a.microbatch} is placed on rank "
-                    f"{found[1].rank}, not {rank}"
+                    f"{placed}, not {rank}"
                 )
             if a.kind not in COMPUTE and (a.peer not in ranks or a.peer == rank):
                 raise ScheduleError(f"{where}: peer {a.peer} is not another rank")
@@ -118,10 +121,11 @@ def _check_dataflow(plan: Plan, rank: int, program: Sequence[Action]) -> None:
         elif a.kind is Kind.BACKWARD_WEIGHT:
             needs = [f"{visit.tag}:input-grads"]
         elif a.kind in BACKWARDS:
-            needs = [f"{visit.tag}:fwd"] + ([f"{visit.tag}:grad"] if k + 1 < len(path) else [])
+            kept = "fwd" if rank == visit.rank else "input"  # away from its forward: recomputed
+            needs = [f"{visit.tag}:{kept}"] + ([f"{visit.tag}:grad"] if k + 1 < len(path) else [])
             makes = ([f"{path[k - 1].tag}:grad"] if k > 0 else []) + [f"{visit.tag}:input-grads"]
         elif a.kind in SENDS:
-            needs = [a.key]
+            needs = [] if a.key.endswith(":input") else [a.key]  # the model's input is data
         elif a.kind in RECVS:
             makes = [a.key]
         for need in needs:
