@@ -6,6 +6,7 @@ from collections import Counter, defaultdict, deque
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -320,3 +321,76 @@ def test_bad_arguments():
             BestFitPacker(**kwargs)
     with pytest.raises(ValueError):
         pack([1], 0)
+
+
+# ---------------------------------------------------------------- lengths the loader holds
+
+
+LOADER_LENGTHS = [5000, 3000, 100, 8192, 2500, 700]
+
+
+def online_packs(lengths, capacity=8192) -> list[list]:
+    packer = BestFitPacker(capacity, window=2)
+    packs = [p for i, length in enumerate(lengths) for p in packer.add(i, length)]
+    return packs + packer.flush()
+
+
+@pytest.mark.parametrize("convert", [np.array, lambda xs: np.array(xs, dtype=np.int32),
+                                     lambda xs: [torch.tensor(x) for x in xs], torch.tensor],
+                         ids=["numpy-int64", "numpy-int32", "0-d-tensors", "tensor"])
+def test_numpy_and_tensor_integers_pack_like_ints(convert):
+    """The loader's lengths come from numpy arrays and tensors (review finding 1)."""
+    expected_online = online_packs(LOADER_LENGTHS)
+    assert expected_online == [[3], [0, 1, 2], [4, 5]]
+    assert online_packs(list(convert(LOADER_LENGTHS))) == expected_online
+    assert online_packs(LOADER_LENGTHS, np.int64(8192)) == expected_online
+    expected = pack(LOADER_LENGTHS, 8192)
+    assert pack(convert(LOADER_LENGTHS), 8192) == expected
+    assert pack(LOADER_LENGTHS, np.int64(8192)) == pack(LOADER_LENGTHS, torch.tensor(8192)) == expected
+
+
+def test_capacity_tree_takes_numpy_integers():
+    tree = CapacityTree(np.int64(8192))
+    for value in np.array([300, 5000, 70]):
+        tree.add(value)
+    assert tree.successor(np.int64(301)) == 5000 and np.int32(70) in tree
+    tree.remove(np.int64(5000))
+    assert tree.successor(torch.tensor(301)) == -1 and type(tree.successor(np.int64(1))) is int
+
+
+def test_pack_takes_any_iterable_of_integers():
+    expected = pack([5, 3, 2, 6], 8)
+    assert pack((x for x in [5, 3, 2, 6]), 8) == expected  # a generator
+    assert pack(iter(range(5, 1, -1)), 8) == pack([5, 4, 3, 2], 8)
+    assert pack((5, np.int64(3), torch.tensor(2), 6), 8) == expected  # mixed integer kinds
+
+
+@pytest.mark.parametrize("lengths, message", [
+    ([2.7, 5.9], r"item 0 must be an integer .* got 2.7 of type float"),  # was: silently packed 2 and 5
+    ([4, 3, 2.0], r"item 2 must be an integer .* got 2.0 of type float"),
+    (np.array([4.0, 3.0]), r"item 0 must be an integer .* got 4.0"),
+    (torch.tensor([1.5, 2.0]), r"item 0 must be an integer .* got 1.5"),
+    ([4, True], r"item 1 must be an integer, got the boolean True"),
+    ([4, None], r"item 1 must be an integer .* got None"),
+    ([[1, 2], [3, 4]], r"flat: item 0 is the sequence \[1, 2\]"),  # was: flattened into 4 items
+    (np.array([[1, 2], [3, 4]]), r"flat \(1-D\), got an array of shape \(2, 2\): item 0 is \[1, 2\]"),
+    ([3, [2]], r"flat: item 1 is the sequence \[2\]"),
+    ("35", "an iterable of integers, got str"),
+    (7, "an iterable of integers, got int"),
+])
+def test_pack_refuses_non_integer_lengths_naming_the_first_bad_item(lengths, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        pack(lengths, 8)
+
+
+def test_online_refuses_non_integer_lengths_and_stays_unchanged():
+    packer = BestFitPacker(8)
+    packer.add("a", np.int64(3))
+    for bad in (2.5, np.float32(2.0), torch.tensor(2.5), True):
+        with pytest.raises(TypeError, match="length of item 'b' must be an integer"):
+            packer.add("b", bad)
+    assert packer.stats.items == 1 and packer.flush() == [["a"]]
+    with pytest.raises(TypeError, match="capacity must be an integer"):
+        BestFitPacker(8192.0)
+    with pytest.raises(TypeError, match="capacity must be an integer"):
+        pack([1], 8.0)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
 from .bfd import best_fit_decreasing
 from .ffd import first_fit_decreasing
+from .lengths import as_length, length_array
 from .overlong import Overlong, admit, check_policy
 from .stats import PackStats
 
@@ -22,7 +23,7 @@ class Packs(list):
     stats: PackStats
 
 
-def pack(lengths: Sequence[int] | np.ndarray, capacity: int, overlong: Overlong = "error") -> Packs:
+def pack(lengths: Iterable[Any], capacity: int, overlong: Overlong = "error") -> Packs:
     """Pack items into packs of at most ``capacity`` tokens, offline (all lengths known).
 
     Returns the item indices (positions in ``lengths``) of each pack, packs in the order
@@ -38,11 +39,17 @@ def pack(lengths: Sequence[int] | np.ndarray, capacity: int, overlong: Overlong 
     ``overlong="split"`` an item index appears once per chunk, and its occurrences in pack
     order are its chunks in token order.  Anything not placed as it came is counted in
     ``.stats`` and logged.
+
+    ``lengths`` is any iterable of integers (ints, numpy integers, 0-d integer tensors; a
+    list, a generator, a 1-D integer array or tensor); a float, a boolean or a nested
+    sequence is refused naming the first such item.  ``capacity`` may be a numpy or
+    tensor integer too.
     """
     check_policy(overlong)
+    capacity = as_length(capacity, "capacity")
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
-    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    lengths = length_array(lengths)
     n = len(lengths)
     stats = PackStats(capacity=capacity, items=n)
     item_of, chunk_lengths = _admit_all(lengths, capacity, overlong, stats)

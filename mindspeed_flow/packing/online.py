@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Hashable
 
+from .lengths import as_length
 from .overlong import Overlong, admit, check_policy
 from .segment_tree import CapacityTree
 from .stats import PackStats
@@ -34,6 +35,7 @@ class BestFitPacker:
     """
 
     def __init__(self, capacity: int, window: int = 1024, overlong: Overlong = "error") -> None:
+        capacity, window = as_length(capacity, "capacity"), as_length(window, "window")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if window < 1:
@@ -51,7 +53,10 @@ class BestFitPacker:
     def add(self, item_id: Hashable, length: int) -> list[list[Hashable]]:
         """Place one item; return the packs this placement closed (often none).
 
-        An item refused with an error leaves the packer (and its stats) as it was."""
+        ``length`` is an int, a numpy integer or a 0-d integer tensor (anything else is a
+        ``TypeError`` naming the item).  An item refused with an error leaves the packer
+        (and its stats) as it was."""
+        length = as_length(length, f"length of item {item_id!r}")
         chunks = admit(item_id, length, self.capacity, self.overlong, self.stats)
         self.stats.items += 1
         closed: list[list[Hashable]] = []

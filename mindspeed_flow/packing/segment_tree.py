@@ -12,6 +12,8 @@ per-item Python loop affordable.
 
 from __future__ import annotations
 
+from operator import index as as_int
+
 _BITS = 64
 _SHIFT = 6
 _MASK = _BITS - 1
@@ -21,6 +23,7 @@ class CapacityTree:
     """Set of integers in ``[0, capacity]`` with O(log C) successor queries."""
 
     def __init__(self, capacity: int) -> None:
+        capacity = as_int(capacity)  # numpy / tensor integers become ints: the masks need Python ints
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
@@ -36,6 +39,7 @@ class CapacityTree:
 
     def add(self, value: int) -> None:
         """Mark ``value`` present (idempotent)."""
+        value = as_int(value)
         for level in self._levels:
             word, bit = value >> _SHIFT, value & _MASK
             before = level[word]
@@ -46,6 +50,7 @@ class CapacityTree:
 
     def remove(self, value: int) -> None:
         """Mark ``value`` absent (idempotent)."""
+        value = as_int(value)
         for level in self._levels:
             word, bit = value >> _SHIFT, value & _MASK
             after = level[word] & ~(1 << bit)
@@ -55,10 +60,12 @@ class CapacityTree:
             value = word
 
     def __contains__(self, value: int) -> bool:
+        value = as_int(value)
         return bool((self._levels[0][value >> _SHIFT] >> (value & _MASK)) & 1)
 
     def successor(self, value: int) -> int:
         """Smallest present value ``>= value``, or -1 when there is none."""
+        value = as_int(value)
         levels = self._levels
         depth = len(levels)
         level = 0
