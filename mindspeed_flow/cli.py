@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = (
     "mindspeed_flow.schedule.cli",
     "mindspeed_flow.schedule.plan_cli",
     "mindspeed_flow.attention.conv_matmul_cli",
+    "mindspeed_flow.allocator.cli",
 )
 
 
@@ -28,8 +29,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# ``plan dump|check`` work on schedule plans; ``plan CONFIG`` (anything else) is the
+# allocator's ``allocate CONFIG``.
+SCHEDULE_PLAN_ACTIONS = ("dump", "check")
+
+
+def _route_plan(argv: list[str]) -> list[str]:
+    if len(argv) > 1 and argv[0] == "plan" and argv[1] not in SCHEDULE_PLAN_ACTIONS \
+            and not argv[1].startswith("-"):
+        return ["allocate"] + argv[1:]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _route_plan(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     return args.func(args, argv[1:])
 

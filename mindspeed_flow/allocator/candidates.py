@@ -1,0 +1,146 @@
+"""The configs the MILP chooses from, and why the others were left out.
+
+A candidate is one module config including its replica count: encoder (tp, dp), backbone
+(tp, pp, micro batch, dp).  A config is left out, with the constraint and the amount it
+misses by, when it breaks:
+
+- ``tp-in-node``: a TP group must sit inside one node and tile it (``devices_per_node % tp``);
+- ``heads/tp``: attention heads and key/value groups must divide over TP;
+- ``layers/pp``: backbone layers must divide over pipeline stages;
+- ``batch/dp``: the global batch must divide into ``dp x micro batch`` (Megatron's rule)
+  for the backbone, into ``dp x encoder micro batch`` for the encoder;
+- ``devices``: one module alone must fit the device budget;
+- ``memory``: the fullest device must fit (``memory.py``, activations from the simulator).
+
+The replica counts tried are the divisors of the global batch (over the micro batch) that
+fit the budget, which is every count the batch rule allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from .proxy import BackboneEstimate, EncoderEstimate, ProxyModel
+from .specs import GIB, ClusterSpec, ModuleSpec, Workload
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A config left out: which constraint, what it needs against what is allowed."""
+
+    module: str
+    config: str
+    constraint: str
+    needed: float
+    allowed: float
+    unit: str = ""
+    at_least: bool = False  # ``needed`` is a lower bound (memory before simulating)
+
+    def describe(self) -> str:
+        if self.unit == "GiB":
+            amounts = f"needs {'at least ' if self.at_least else ''}{self.needed / GIB:.1f} GiB per device, limit {self.allowed / GIB:.1f} GiB " \
+                      f"(over by {(self.needed - self.allowed) / GIB:.1f} GiB)"
+        else:
+            amounts = f"{self.needed:g} vs {self.allowed:g}{' ' + self.unit if self.unit else ''}"
+        return f"{self.module} {self.config}: {self.constraint}: {amounts}"
+
+
+@dataclass
+class CandidateSet:
+    """The surviving candidates of both modules, and every rejection."""
+
+    encoders: list[EncoderEstimate]
+    backbones: list[BackboneEstimate]
+    rejections: list[Rejection]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_rejection(module: str, spec: ModuleSpec, tp: int, cluster: ClusterSpec) -> Rejection | None:
+    if tp > cluster.devices_per_node or cluster.devices_per_node % tp:
+        return Rejection(module, f"tp {tp}", "tp-in-node", tp, cluster.devices_per_node, "devices per node")
+    if spec.heads % tp or spec.query_groups % tp:
+        return Rejection(module, f"tp {tp}", "heads/tp", spec.heads, tp, "heads over TP")
+    return None
+
+
+def _replicas(module: str, config: str, per_replica_devices: int, batch_units: int,
+              cluster: ClusterSpec, rejections: list[Rejection]) -> Iterator[int]:
+    """Replica counts allowed by the batch rule and the budget (a rejection if none)."""
+    if per_replica_devices > cluster.devices:
+        rejections.append(Rejection(module, config, "devices", per_replica_devices, cluster.devices, "devices"))
+        return
+    if batch_units < 1:
+        rejections.append(Rejection(module, config, "batch/dp", 1, batch_units, "microbatches in the global batch"))
+        return
+    for dp in divisors(batch_units):
+        if dp * per_replica_devices <= cluster.devices:
+            yield dp
+
+
+def encoder_candidates(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
+                       rejections: list[Rejection]) -> list[EncoderEstimate]:
+    out = []
+    if workload.global_batch % workload.encoder_micro_batch:
+        rejections.append(Rejection("encoder", f"micro batch {workload.encoder_micro_batch}", "batch/dp",
+                                    workload.global_batch, workload.encoder_micro_batch, "global batch over micro batch"))
+        return out
+    for tp in workload.tp_choices:
+        bad = _tp_rejection("encoder", spec, tp, cluster)
+        if bad:
+            rejections.append(bad)
+            continue
+        units = workload.global_batch // workload.encoder_micro_batch
+        for dp in _replicas("encoder", f"tp {tp}", tp, units, cluster, rejections):
+            est = proxy.encoder(spec, workload, tp, dp)
+            if est.memory.total > cluster.memory_limit:
+                rejections.append(Rejection("encoder", f"tp {tp} dp {dp}", "memory", est.memory.total,
+                                            cluster.memory_limit, "GiB"))
+                continue
+            out.append(est)
+    return out
+
+
+def backbone_candidates(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
+                        rejections: list[Rejection]) -> list[BackboneEstimate]:
+    out = []
+    pp_choices = workload.pp_choices or tuple(divisors(spec.layers))
+    for tp in workload.tp_choices:
+        bad = _tp_rejection("backbone", spec, tp, cluster)
+        if bad:
+            rejections.append(bad)
+            continue
+        for pp in pp_choices:
+            if spec.layers % pp:
+                rejections.append(Rejection("backbone", f"pp {pp}", "layers/pp", spec.layers, pp, "layers over stages"))
+                continue
+            for mbs in workload.micro_batch_choices:
+                config = f"tp {tp} pp {pp} mbs {mbs}"
+                if workload.global_batch % mbs:
+                    rejections.append(Rejection("backbone", config, "batch/dp", workload.global_batch, mbs,
+                                                "global batch over micro batch"))
+                    continue
+                units = workload.global_batch // mbs
+                for dp in _replicas("backbone", config, tp * pp, units, cluster, rejections):
+                    floor = proxy.backbone_memory(spec, workload, tp, pp, mbs, dp)
+                    if floor.total > cluster.memory_limit:  # skip the simulation
+                        rejections.append(Rejection("backbone", f"{config} dp {dp}", "memory", floor.total,
+                                                    cluster.memory_limit, "GiB", at_least=True))
+                        continue
+                    est = proxy.backbone(spec, workload, tp, pp, mbs, dp)
+                    if est.memory.total > cluster.memory_limit:
+                        rejections.append(Rejection("backbone", f"{config} dp {dp}", "memory", est.memory.total,
+                                                    cluster.memory_limit, "GiB"))
+                        continue
+                    out.append(est)
+    return out
+
+
+def candidates(encoder: ModuleSpec, backbone: ModuleSpec, cluster: ClusterSpec, workload: Workload,
+               proxy: ProxyModel) -> CandidateSet:
+    rejections: list[Rejection] = []
+    return CandidateSet(encoder_candidates(encoder, cluster, workload, proxy, rejections),
+                        backbone_candidates(backbone, cluster, workload, proxy, rejections), rejections)

@@ -1,0 +1,58 @@
+"""Why an instance has no plan: the constraint that leaves nothing, and by how much.
+
+Either a module has no candidate left (each constraint that removed some is named with its
+closest miss: the smallest memory footprint against the limit, the smallest replica
+against the budget, ...), or both have candidates but no pair fits the device budget
+together (the smallest pair is named with its shortfall).
+"""
+
+from __future__ import annotations
+
+from .candidates import CandidateSet, Rejection
+from .specs import AllocatorError, ClusterSpec
+
+
+class InfeasibleError(AllocatorError):
+    """No plan satisfies the constraints; ``reasons`` holds one line per binding constraint."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        self.reasons = reasons
+        super().__init__("no feasible plan:\n  " + "\n  ".join(reasons))
+
+
+def _closest(rejections: list[Rejection]) -> Rejection:
+    """The rejection that misses by least (relative to what is allowed)."""
+    def miss(r: Rejection) -> float:
+        return (r.needed - r.allowed) / r.allowed if r.constraint in ("memory", "devices") else 0.0
+    return min(rejections, key=miss)
+
+
+def module_reasons(module: str, rejections: list[Rejection]) -> list[str]:
+    ours = [r for r in rejections if r.module == module]
+    if not ours:
+        return [f"{module}: no configuration to choose from (empty tp/pp/micro batch choices?)"]
+    lines = []
+    for constraint in dict.fromkeys(r.constraint for r in ours):
+        group = [r for r in ours if r.constraint == constraint]
+        closest = _closest(group)
+        lines.append(f"{module}: {len(group)} config(s) break {constraint}; closest: {closest.describe()}")
+    return [f"no {module} configuration is feasible:"] + ["  " + line for line in lines]
+
+
+def diagnose(found: CandidateSet, cluster: ClusterSpec) -> list[str]:
+    reasons = []
+    if not found.encoders:
+        reasons += module_reasons("encoder", found.rejections)
+    if not found.backbones:
+        reasons += module_reasons("backbone", found.rejections)
+    if reasons:
+        return reasons
+    enc = min(found.encoders, key=lambda e: e.devices)
+    bb = min(found.backbones, key=lambda b: b.devices)
+    need = enc.devices + bb.devices
+    if need > cluster.devices:
+        return [f"device budget: the smallest plan needs {need} devices (encoder tp {enc.tp} dp {enc.dp}: "
+                f"{enc.devices} + backbone tp {bb.tp} pp {bb.pp} dp {bb.dp}: {bb.devices}), the budget is "
+                f"{cluster.devices}: short by {need - cluster.devices}"]
+    return [f"HiGHS found no plan although the smallest pair ({need} devices) fits {cluster.devices}: "
+            "please report this instance"]

@@ -1,0 +1,155 @@
+"""A plan: the chosen encoder and backbone configs with what the proxy predicts for them.
+
+Plans are written to YAML/JSON by ``mindspeed-flow plan --out`` and read back by the
+``allocator`` patch, which applies them at initialisation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from .specs import AllocatorError
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """The encoder (producer): ``dp`` replicas of ``tp`` devices each."""
+
+    dp: int
+    tp: int
+    layers: int
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """The backbone (consumer): ``dp`` pipelines of ``pp`` stages of ``tp`` devices."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    layer_split: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_split", tuple(int(v) for v in self.layer_split))
+        if len(self.layer_split) != self.pp:
+            raise AllocatorError(f"backbone: layer_split has {len(self.layer_split)} entries for pp {self.pp}")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the proxy predicts for a plan (rates in samples/s, memory in GiB per device)."""
+
+    throughput: float
+    production: float
+    consumption: float
+    mfu: float
+    bubble_fraction: float
+    backbone_step_s: float
+    microbatches: int
+    encoder_memory_gib: float
+    backbone_memory_gib: float
+
+    @property
+    def mismatch(self) -> float:
+        return abs(self.production - self.consumption)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The allocator's answer.
+
+    Attributes:
+        encoder, backbone: the two configs.
+        global_batch: samples per step the plan was sized for.
+        predicted: throughput, rates, MFU, bubble and memory from the proxy.
+        alternatives: runner-up plans with other backbone shapes, best first.
+    """
+
+    encoder: EncoderConfig
+    backbone: BackboneConfig
+    global_batch: int
+    predicted: Prediction
+    alternatives: tuple["Plan", ...] = field(default=(), compare=False)
+
+    @property
+    def throughput(self) -> float:
+        return self.predicted.throughput
+
+    @property
+    def mismatch(self) -> float:
+        return self.predicted.mismatch
+
+    @property
+    def devices(self) -> int:
+        return self.encoder.devices + self.backbone.devices
+
+    def to_dict(self, alternatives: bool = True) -> dict[str, Any]:
+        data = {"encoder": asdict(self.encoder), "backbone": asdict(self.backbone),
+                "global_batch": self.global_batch, "predicted": asdict(self.predicted)}
+        data["backbone"]["layer_split"] = list(self.backbone.layer_split)
+        if alternatives:
+            data["alternatives"] = [a.to_dict(alternatives=False) for a in self.alternatives]
+        return data
+
+    def save(self, path: str | Path) -> Path:
+        """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), by suffix."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".json":
+            path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        else:
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "plan") -> "Plan":
+        if not isinstance(data, Mapping):
+            raise AllocatorError(f"{where}: expected a mapping")
+        try:
+            return cls(
+                encoder=EncoderConfig(**_keys(data, "encoder", EncoderConfig, where)),
+                backbone=BackboneConfig(**_keys(data, "backbone", BackboneConfig, where)),
+                global_batch=int(data["global_batch"]),
+                predicted=Prediction(**_keys(data, "predicted", Prediction, where)),
+                alternatives=tuple(cls.from_dict(a, f"{where}: alternatives[{i}]")
+                                   for i, a in enumerate(data.get("alternatives", ()))),
+            )
+        except KeyError as exc:
+            raise AllocatorError(f"{where}: missing key {exc}") from None
+        except AllocatorError as exc:
+            raise AllocatorError(f"{where}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise AllocatorError(f"plan file {path} does not exist")
+        text = path.read_text()
+        return cls.from_dict(json.loads(text) if path.suffix == ".json" else yaml.safe_load(text), str(path))
+
+
+def _keys(data: Mapping[str, Any], key: str, cls: type, where: str) -> dict[str, Any]:
+    section = data[key]
+    names = [f.name for f in fields(cls)]
+    if not isinstance(section, Mapping):
+        raise AllocatorError(f"{where}: {key} must be a mapping")
+    missing = [n for n in names if n not in section]
+    if missing:
+        raise AllocatorError(f"{where}: {key} lacks {', '.join(missing)}")
+    return {n: section[n] for n in names}

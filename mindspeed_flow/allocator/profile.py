@@ -1,0 +1,138 @@
+"""Measured throughput points, stored as YAML or JSON files.
+
+A :class:`Profile` holds forward and backward wall times of a module block measured at a
+few (module, tp, micro batch, sequence) points on one kind of device, together with the
+FLOPs each point did and the device's measured peak.  The proxy reads efficiency
+(achieved / peak) off these points as a function of the work per rank, which is what lets
+a profile of a tiny model on this machine size a large one (see :mod:`.proxy`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from .specs import AllocatorError
+
+MODULES = ("encoder", "backbone")
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One measurement: a block of ``layers`` layers on a TP group of ``tp`` ranks.
+
+    Attributes:
+        module: ``"encoder"`` or ``"backbone"``.
+        tp, micro_batch, seq: where it was measured (samples per microbatch, tokens per sample).
+        layers: layers in the measured block.
+        forward_s, backward_s: median wall seconds of one forward / one backward of the block.
+        flops: forward FLOPs of the block per TP rank (the backward does twice as many).
+    """
+
+    module: str
+    tp: int
+    micro_batch: int
+    seq: int
+    layers: int
+    forward_s: float
+    backward_s: float
+    flops: float
+
+    def __post_init__(self) -> None:
+        if self.module not in MODULES:
+            raise AllocatorError(f"module must be one of {MODULES}, got {self.module!r}")
+        for name in ("tp", "micro_batch", "seq", "layers"):
+            if int(getattr(self, name)) < 1:
+                raise AllocatorError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("forward_s", "backward_s", "flops"):
+            if not float(getattr(self, name)) > 0:
+                raise AllocatorError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def achieved_flops(self) -> float:
+        """FLOP/s per rank over forward plus backward."""
+        return 3.0 * self.flops / (self.forward_s + self.backward_s)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Points measured on one device kind.
+
+    Attributes:
+        device: what was measured on (``"cpu: <model name>, torch 2.13"``).
+        peak_tflops: the device's measured dense-GEMM peak; efficiency is achieved / this.
+        points: the measurements.
+        source: how they were taken (script, date, megatron-core version).
+    """
+
+    device: str
+    peak_tflops: float
+    points: tuple[ProfilePoint, ...]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "points", tuple(self.points))
+        if not self.peak_tflops > 0:
+            raise AllocatorError(f"profile: peak_tflops must be > 0, got {self.peak_tflops}")
+
+    def module_points(self, module: str, tp: int | None = None) -> list[ProfilePoint]:
+        return [p for p in self.points if p.module == module and (tp is None or p.tp == tp)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "peak_tflops": self.peak_tflops, "source": self.source,
+                "points": [asdict(p) for p in self.points]}
+
+    def save(self, path: str | Path) -> Path:
+        """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), by suffix."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.to_dict()
+        if path.suffix == ".json":
+            path.write_text(json.dumps(data, indent=1) + "\n")
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+        else:
+            raise AllocatorError(f"{path}: profile files are .yaml, .yml or .json")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        """Read a profile file; a bad point is named by its index."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile") -> "Profile":
+        if not isinstance(data, Mapping):
+            raise AllocatorError(f"{where}: expected a mapping")
+        for key in ("device", "peak_tflops", "points"):
+            if key not in data:
+                raise AllocatorError(f"{where}: missing key {key!r}")
+        return cls(device=str(data["device"]), peak_tflops=float(data["peak_tflops"]),
+                   points=tuple(_point(p, f"{where}: points[{i}]") for i, p in enumerate(data["points"])),
+                   source=str(data.get("source", "")))
+
+
+def _point(data: Any, where: str) -> ProfilePoint:
+    names = [f.name for f in fields(ProfilePoint)]
+    if not isinstance(data, Mapping):
+        raise AllocatorError(f"{where}: expected a mapping")
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise AllocatorError(f"{where}: missing {', '.join(missing)}")
+    try:
+        return ProfilePoint(**{n: data[n] for n in names})
+    except AllocatorError as exc:
+        raise AllocatorError(f"{where}: {exc}") from None
+

@@ -1,0 +1,45 @@
+"""The upstream arguments that realise a plan.
+
+Megatron takes the backbone's sizes on the command line; MindSpeed-MM reads per-module
+layer splits from its model JSON (``pipeline_num_layers`` of ``image_encoder.vision_encoder``
+and ``text_decoder``, one entry per pipeline stage) and, under ``--hetero-parallel``, a
+module's own ``tensor_model_parallel_size`` from the same JSON
+(``mindspeed_mm/utils/hetero_parallel.py``).  The encoder's replicas on devices of their
+own are what FlowTrain's decoupled schedule runs; upstream alone places the encoder with
+the backbone (the vision encoder on stage 0), with its own TP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .plan import Plan
+
+
+def megatron_args(plan: Plan) -> list[str]:
+    """Megatron-LM flags for the backbone's parallel sizes and batch."""
+    bb = plan.backbone
+    args = ["--tensor-model-parallel-size", str(bb.tp),
+            "--pipeline-model-parallel-size", str(bb.pp),
+            "--micro-batch-size", str(bb.micro_batch),
+            "--global-batch-size", str(plan.global_batch)]
+    if bb.tp > 1:
+        args.append("--sequence-parallel")
+    return args
+
+
+def mindspeed_mm_model(plan: Plan) -> dict[str, Any]:
+    """The entries of MindSpeed-MM's model JSON that the plan sets."""
+    pp = plan.backbone.pp
+    return {
+        "image_encoder": {"vision_encoder": {
+            "pipeline_num_layers": [plan.encoder.layers] + [0] * (pp - 1),
+            "tensor_model_parallel_size": plan.encoder.tp,
+        }},
+        "text_decoder": {"pipeline_num_layers": list(plan.backbone.layer_split)},
+    }
+
+
+def mindspeed_mm_args(plan: Plan) -> list[str]:
+    """Megatron's flags plus ``--hetero-parallel``, which gives the encoder its own TP."""
+    return megatron_args(plan) + ["--hetero-parallel"]

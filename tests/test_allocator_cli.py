@@ -1,0 +1,50 @@
+"""``mindspeed-flow plan CONFIG``: what it prints is the plan ``solve`` returns, the plan
+file it writes reads back, the chart is drawn, an infeasible budget is diagnosed."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from mindspeed_flow import cli
+from mindspeed_flow.allocator import Plan, Profile, ProxyModel, load_config, solve
+from mindspeed_flow.allocator.upstream import megatron_args
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "allocator" / "tiny_cpu.yaml"
+
+
+def test_plan_prints_the_solved_plan_and_writes_it(tmp_path, capsys):
+    out, png = tmp_path / "plan.yaml", tmp_path / "rates.png"
+    assert cli.main(["plan", str(CONFIG), "--out", str(out), "--png", str(png)]) == 0
+    text = capsys.readouterr().out
+    config = load_config(CONFIG)
+    expected = solve(config.model, config.cluster, ProxyModel(Profile.load(config.profile), config.cluster),
+                     config.workload)
+    written = Plan.load(out)
+    assert written == expected
+    assert [a.backbone for a in written.alternatives] == [a.backbone for a in expected.alternatives]
+    p = expected.predicted
+    assert f"predicted {p.throughput:.2f} samples/s, MFU {p.mfu:.1%}" in text
+    assert f"produces {p.production:10.2f} samples/s" in text and f"consumes {p.consumption:10.2f}" in text
+    assert shlex.join(megatron_args(expected)) in text
+    assert '"pipeline_num_layers": [' in text and "alternatives (next best backbone shapes)" in text
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_infeasible_budget_exits_2_with_the_diagnosis(capsys):
+    assert cli.main(["plan", str(CONFIG), "--devices", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no feasible plan" in err and "device budget" in err and "budget is 1: short by 1" in err
+
+
+def test_bad_config_names_file_and_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(CONFIG.read_text().replace("heads: 4,", "headz: 4,"))
+    assert cli.main(["plan", str(bad)]) == 1
+    assert "bad.yaml: model.encoder: unknown key(s) headz" in capsys.readouterr().err
+
+
+def test_schedule_plan_actions_keep_their_route():
+    assert cli._route_plan(["plan", "dump", "x.yaml", "s"]) == ["plan", "dump", "x.yaml", "s"]
+    assert cli._route_plan(["plan", "check", "p.txt"]) == ["plan", "check", "p.txt"]
+    assert cli._route_plan(["plan", "c.yaml", "--png", "a.png"]) == ["allocate", "c.yaml", "--png", "a.png"]

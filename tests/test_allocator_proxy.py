@@ -1,0 +1,122 @@
+"""The proxy: its pipeline bubble is the schedule simulator's, its rates react to what
+they should, and profiles survive a round trip through their files."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mindspeed_flow.allocator import (AllocatorError, ClusterSpec, ModuleSpec, Profile, ProfilePoint,
+                                      ProxyModel, Workload)
+from mindspeed_flow.schedule import CostTable, OneFOneB, Region, RegionCost, compose, simulate, validate
+
+from test_allocator_solve import synthetic_profile
+
+BACKBONE = ModuleSpec(layers=24, hidden=2048, heads=16, ffn=8192, query_groups=4, tokens_per_sample=2048,
+                      vocab=32000)
+CLUSTER = ClusterSpec(devices=256, devices_per_node=8, memory_gib=80)
+
+
+@pytest.fixture(scope="module")
+def proxy() -> ProxyModel:
+    return ProxyModel(synthetic_profile(random.Random(5)), CLUSTER)
+
+
+def _simulated_directly(proxy: ProxyModel, tp: int, pp: int, mbs: int, microbatches: int):
+    """Compose and simulate the backbone layout here, from the proxy's per-layer times."""
+    forward, backward = proxy.layer_seconds("backbone", BACKBONE, tp, mbs)
+    head = proxy.head_cost(BACKBONE, tp, mbs)
+    per_stage = BACKBONE.layers // pp
+    skeleton = OneFOneB(stages=pp, layers=(per_stage,) * (pp - 1) + (per_stage + 1,))
+    plan = compose([Region("decoder", BACKBONE.layers, skeleton), Region("lm_head", 1, skeleton)], microbatches)
+    validate(plan)
+    sent = 2 * mbs * BACKBONE.tokens_per_sample * BACKBONE.hidden / tp
+    table = CostTable({
+        "decoder": RegionCost(forward=BACKBONE.layers * forward, backward_ratio=backward / forward,
+                              output_bytes=sent),
+        "lm_head": RegionCost(forward=head.forward, backward_ratio=head.backward_ratio, output_bytes=sent),
+    }, link=proxy.inter if tp * pp > CLUSTER.devices_per_node else proxy.intra)
+    return simulate(plan, table)
+
+
+@pytest.mark.parametrize("tp,pp,mbs,dp", [(1, 1, 1, 4), (2, 2, 1, 8), (4, 4, 2, 2), (8, 3, 1, 1), (2, 8, 1, 2),
+                                          (4, 6, 1, 16)])
+def test_bubble_and_step_are_the_simulators(proxy, tp, pp, mbs, dp):
+    workload = Workload(global_batch=64)
+    est = proxy.backbone(BACKBONE, workload, tp, pp, mbs, dp)
+    direct = _simulated_directly(proxy, tp, pp, mbs, est.microbatches)
+    assert est.microbatches == 64 // (dp * mbs)
+    assert est.bubble_fraction == pytest.approx(direct.bubble_fraction, rel=1e-9, abs=1e-12)
+    reduce = proxy.gradient_reduce_seconds(
+        est.split[0] * BACKBONE.layer_params + BACKBONE.vocab * BACKBONE.hidden * (2 if pp == 1 else 1), tp, dp)
+    assert est.step_time == pytest.approx(direct.step_time + reduce, rel=1e-9)
+    assert est.rate == pytest.approx(64 / est.step_time)
+
+
+def test_long_steps_extend_the_simulated_line_exactly(proxy):
+    """Beyond the cap the proxy extends two simulated steps; simulating all of them agrees."""
+    for pp, microbatches in ((2, 40), (4, 33), (6, 64)):
+        extended = proxy.pipeline(BACKBONE, 2, pp, 1, microbatches)
+        direct = _simulated_directly(proxy, 2, pp, 1, microbatches)
+        assert extended.step_time == pytest.approx(direct.step_time, rel=1e-12)
+        assert extended.bubble_fraction == pytest.approx(direct.bubble_fraction, rel=1e-9)
+        assert extended.peak_live == tuple(direct.peak_live[r] for r in sorted(direct.peak_live))
+
+
+def test_rates_respond_to_tp_communication_dp_reduction_and_memory(proxy):
+    workload = Workload(global_batch=64)
+    slow_link = ProxyModel(proxy.profile, ClusterSpec(devices=256, intra_node_gbps=5, memory_gib=80))
+    # TP communication: a slower intra-node link slows tp=4 but not tp=1 (one stage, one
+    # replica: nothing else crosses a link).
+    assert slow_link.backbone(BACKBONE, workload, 4, 1, 1, 1).step_time > \
+        proxy.backbone(BACKBONE, workload, 4, 1, 1, 1).step_time
+    assert slow_link.backbone(BACKBONE, workload, 1, 1, 1, 1).step_time == pytest.approx(
+        proxy.backbone(BACKBONE, workload, 1, 1, 1, 1).step_time)
+    # TP efficiency loss: tp=8 does not reach 8x the per-replica rate of tp=1.
+    one, eight = (proxy.backbone(BACKBONE, workload, tp, 1, 1, 1) for tp in (1, 8))
+    assert 1 < eight.rate / one.rate < 8
+    # DP: more replicas, more samples/s, but the gradient all-reduce keeps it sub-linear.
+    assert proxy.backbone(BACKBONE, workload, 2, 2, 1, 8).rate < 8 * proxy.backbone(BACKBONE, workload, 2, 2, 1, 1).rate
+    # Memory: activations grow with the microbatches in flight (more with more stages on
+    # stage 0), states shrink with the distributed optimizer's DP sharding.
+    assert proxy.backbone(BACKBONE, workload, 2, 4, 2, 1).memory.activations > \
+        proxy.backbone(BACKBONE, workload, 2, 4, 1, 1).memory.activations
+    assert proxy.backbone(BACKBONE, workload, 2, 2, 1, 8).memory.states < \
+        proxy.backbone(BACKBONE, workload, 2, 2, 1, 1).memory.states
+
+
+def test_efficiency_interpolates_between_measured_points_and_is_flat_outside():
+    points = [ProfilePoint(m, 1, 1, 64, 2, 1.0, 2.0, f) for m in ("encoder", "backbone") for f in (1e9, 1e11)]
+    proxy = ProxyModel(Profile("t", 1.0, points), CLUSTER)
+    low, high = (3 * f / 3.0 / 1e12 for f in (1e9, 1e11))  # achieved / peak at both points
+    per_layer = (5e8, 5e10)  # the points measured two layers
+    assert proxy.efficiency("backbone", per_layer[0]) == pytest.approx(low)
+    assert proxy.efficiency("backbone", per_layer[1]) == pytest.approx(high)
+    assert proxy.efficiency("backbone", 5e9) == pytest.approx((low + high) / 2)  # halfway in log
+    assert proxy.efficiency("backbone", 1.0) == pytest.approx(low)
+    assert proxy.efficiency("backbone", 1e20) == pytest.approx(high)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_profile_round_trip(tmp_path, suffix):
+    profile = synthetic_profile(random.Random(9))
+    path = profile.save(tmp_path / f"p{suffix}")
+    again = Profile.load(path)
+    assert again == profile
+    assert [p.achieved_flops for p in again.points] == [p.achieved_flops for p in profile.points]
+
+
+def test_bad_profile_names_the_file_and_point(tmp_path):
+    data = synthetic_profile(random.Random(9)).to_dict()
+    data["points"][3]["forward_s"] = -1
+    path = tmp_path / "bad.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(AllocatorError, match=r"bad.yaml: points\[3\]: forward_s must be > 0"):
+        Profile.load(path)
+    del data["points"][3]["forward_s"]
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(AllocatorError, match=r"points\[3\]: missing forward_s"):
+        Profile.load(path)

@@ -1,0 +1,171 @@
+"""solve() against brute force, infeasibility diagnosis and memory pruning.
+
+Brute force here enumerates every (encoder tp, dp) x (backbone tp, pp, micro batch, dp)
+itself, checks every constraint itself, asks the same proxy for rates and memory and
+orders by the same lexicographic objective; it shares no code with the candidate
+generation or the MILP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from mindspeed_flow.allocator import (ClusterSpec, InfeasibleError, ModelSpec, ModuleSpec, Profile,
+                                      ProfilePoint, ProxyModel, Workload, solve)
+from mindspeed_flow.allocator.specs import GIB
+
+
+def synthetic_profile(rng: random.Random) -> Profile:
+    """Efficiency rising with work per rank, differently per module (inputs, not results)."""
+    points = []
+    for module in ("encoder", "backbone"):
+        for flops in (1e8, 1e10, 1e12):
+            eff = min(0.9, rng.uniform(0.1, 0.4) * (1 + math.log10(flops / 1e8) * rng.uniform(0.1, 0.5)))
+            forward = flops / (eff * 1e12)
+            points.append(ProfilePoint(module, 1, 1, 64, 1, forward, rng.uniform(1.8, 2.4) * forward, flops))
+    return Profile("synthetic", 1.0, points)
+
+
+def random_instance(rng: random.Random):
+    heads = rng.choice([4, 8, 16])
+    enc = ModuleSpec(layers=rng.choice([4, 8, 12]), hidden=heads * 64, heads=heads, ffn=heads * 256,
+                     tokens_per_sample=rng.choice([256, 1024]), trainable=rng.random() < 0.7)
+    bb_heads = rng.choice([8, 16, 32])
+    bb = ModuleSpec(layers=rng.choice([6, 8, 12, 16]), hidden=bb_heads * 128, heads=bb_heads,
+                    ffn=bb_heads * 512, query_groups=rng.choice([2, 4, 8]),
+                    tokens_per_sample=rng.choice([1024, 2048, 4096]), vocab=rng.choice([0, 32000]))
+    cluster = ClusterSpec(devices=rng.choice([4, 6, 8, 12, 16, 24, 32]), devices_per_node=rng.choice([2, 4, 8]),
+                          memory_gib=rng.choice([8, 16, 32, 80]), peak_tflops=rng.choice([100, 300]),
+                          intra_node_gbps=rng.choice([50, 200]), inter_node_gbps=rng.choice([10, 25]))
+    workload = Workload(global_batch=rng.choice([6, 8, 12, 16, 24, 32]), tp_choices=(1, 2, 4),
+                        pp_choices=tuple(rng.sample([1, 2, 3, 4], 3)), micro_batch_choices=(1, 2),
+                        encoder_micro_batch=rng.choice([1, 2]), encoder_in_flight=rng.choice([1, 4]),
+                        distributed_optimizer=rng.random() < 0.5, alternatives=0)
+    return ModelSpec(enc, bb), cluster, ProxyModel(synthetic_profile(rng), cluster), workload
+
+
+def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workload: Workload):
+    """Best (throughput, mismatch, devices) over every config pair, or None."""
+    limit = cluster.memory_limit
+    node = cluster.devices_per_node
+
+    def tp_ok(spec, tp):
+        return node % tp == 0 and spec.heads % tp == 0 and spec.query_groups % tp == 0
+
+    encoders = []
+    for tp, dp in itertools.product(workload.tp_choices, range(1, cluster.devices + 1)):
+        if tp_ok(model.encoder, tp) and tp * dp <= cluster.devices \
+                and workload.global_batch % (dp * workload.encoder_micro_batch) == 0:
+            est = proxy.encoder(model.encoder, workload, tp, dp)
+            if est.memory.total <= limit:
+                encoders.append((est.rate, tp * dp))
+    backbones = []
+    for tp, pp, mbs, dp in itertools.product(workload.tp_choices, workload.pp_choices,
+                                             workload.micro_batch_choices, range(1, cluster.devices + 1)):
+        if tp_ok(model.backbone, tp) and model.backbone.layers % pp == 0 and tp * pp * dp <= cluster.devices \
+                and workload.global_batch % (dp * mbs) == 0:
+            est = proxy.backbone(model.backbone, workload, tp, pp, mbs, dp)
+            if est.memory.total <= limit:
+                backbones.append((est.rate, tp * pp * dp))
+    pairs = [(min(p, c), abs(p - c), de + db) for (p, de), (c, db) in itertools.product(encoders, backbones)
+             if de + db <= cluster.devices]
+    if not pairs:
+        return None
+    best_t = max(t for t, _, _ in pairs)
+    pairs = [x for x in pairs if x[0] >= best_t * (1 - 1e-7)]
+    best_m = min(m for _, m, _ in pairs)
+    pairs = [x for x in pairs if x[1] <= best_m + 1e-7 * best_t]
+    return best_t, best_m, min(d for _, _, d in pairs)
+
+
+def test_solve_matches_brute_force_on_random_instances():
+    rng = random.Random(12)
+    solved = infeasible = 0
+    for case in range(300):
+        model, cluster, proxy, workload = random_instance(rng)
+        expected = brute_force(model, cluster, proxy, workload)
+        if expected is None:
+            with pytest.raises(InfeasibleError):
+                solve(model, cluster, proxy, workload)
+            infeasible += 1
+            continue
+        plan = solve(model, cluster, proxy, workload)
+        t, m, d = expected
+        assert plan.throughput == pytest.approx(t, rel=1e-6), f"case {case}"
+        assert plan.mismatch == pytest.approx(m, rel=1e-5, abs=1e-6 * t), f"case {case}"
+        assert plan.devices == d, f"case {case}"
+        assert plan.devices <= cluster.devices
+        assert plan.throughput == pytest.approx(min(plan.predicted.production, plan.predicted.consumption))
+        solved += 1
+    assert solved >= 150 and infeasible >= 10  # both branches really exercised
+
+
+def _big_model() -> ModelSpec:
+    enc = ModuleSpec(layers=32, hidden=1280, heads=16, ffn=3456, tokens_per_sample=4096)
+    bb = ModuleSpec(layers=80, hidden=8192, heads=64, ffn=29568, query_groups=8, tokens_per_sample=4096,
+                    vocab=152064)
+    return ModelSpec(enc, bb)
+
+
+def test_device_budget_shortfall_is_named_with_the_amount():
+    """Each module fits alone (encoder tp 8 x dp 1, backbone tp 8 x pp 4), together they need
+    40 devices: the diagnosis names the pair and the shortfall of 1."""
+    model = _big_model()
+    cluster = ClusterSpec(devices=39, memory_gib=80)
+    workload = Workload(global_batch=64, pp_choices=(4, 8), tp_choices=(8,), micro_batch_choices=(1,))
+    proxy = ProxyModel(synthetic_profile(random.Random(1)), cluster)
+    with pytest.raises(InfeasibleError) as info:
+        solve(model, cluster, proxy, workload)
+    assert info.value.reasons == [
+        "device budget: the smallest plan needs 40 devices (encoder tp 8 dp 1: 8 + backbone tp 8 pp 4 dp 1: 32), "
+        "the budget is 39: short by 1"]
+    assert solve(model, ClusterSpec(devices=40, memory_gib=80), proxy, workload).devices == 40
+
+
+def test_memory_limit_diagnosis_names_the_closest_config_and_the_excess():
+    model = _big_model()
+    cluster = ClusterSpec(devices=64, memory_gib=24)
+    workload = Workload(global_batch=32, pp_choices=(1, 2), tp_choices=(2, 4), micro_batch_choices=(1,))
+    proxy = ProxyModel(synthetic_profile(random.Random(2)), cluster)
+    with pytest.raises(InfeasibleError) as info:
+        solve(model, cluster, proxy, workload)
+    reasons = "\n".join(info.value.reasons)
+    assert "no backbone configuration is feasible" in reasons
+    # 72B over tp 4 x pp 2 is 9 B parameters per device: far over 24 GiB.
+    assert "memory" in reasons and "over by" in reasons and "tp 4 pp 2" in reasons
+
+
+def test_tp_must_fit_in_a_node_and_divide_the_heads():
+    model = _big_model()
+    cluster = ClusterSpec(devices=512, devices_per_node=4, memory_gib=80)
+    workload = Workload(global_batch=64, pp_choices=(8,), tp_choices=(8, 16), micro_batch_choices=(1,))
+    proxy = ProxyModel(synthetic_profile(random.Random(3)), cluster)
+    with pytest.raises(InfeasibleError) as info:
+        solve(model, cluster, proxy, workload)
+    assert "tp-in-node" in str(info.value) and "tp 8: tp-in-node: 8 vs 4 devices per node" in str(info.value)
+
+
+def test_memory_pruning_removes_exactly_the_configs_that_do_not_fit():
+    """Lowering the memory limit removes the configs between the two limits, and the plan
+    under the low limit is the best of those that fit it (checked against brute force)."""
+    model = _big_model()
+    workload = Workload(global_batch=32, pp_choices=(2, 4, 8), tp_choices=(4, 8), micro_batch_choices=(1, 2))
+    profile = synthetic_profile(random.Random(4))
+    roomy = ClusterSpec(devices=256, memory_gib=192)
+    roomy_plan = solve(model, roomy, ProxyModel(profile, roomy), workload)
+    limit = roomy_plan.predicted.backbone_memory_gib * 0.9 / (1 - roomy.memory_reserve)
+    tight = ClusterSpec(devices=256, memory_gib=limit)
+    tight_proxy = ProxyModel(profile, tight)
+    tight_plan = solve(model, tight, tight_proxy, workload)
+    assert tight_plan.predicted.backbone_memory_gib * GIB <= tight.memory_limit
+    assert tight_plan.backbone != roomy_plan.backbone  # the roomy choice no longer fits
+    assert tight_plan.throughput <= roomy_plan.throughput
+    expected = brute_force(model, tight, tight_proxy, workload)
+    assert tight_plan.throughput == pytest.approx(expected[0], rel=1e-6)
+    for alt in tight_plan.alternatives:
+        assert alt.predicted.backbone_memory_gib * GIB <= tight.memory_limit
+        assert alt.throughput <= tight_plan.throughput * (1 + 1e-7)
