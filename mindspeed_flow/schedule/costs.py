@@ -22,7 +22,7 @@ from .placement import Visit
 class Jitter:
     """A region's forward time per microbatch: uniform in ``[low, high]`` seconds, except a
     spike of ``spike`` seconds with probability ``spike_prob``; the same seed gives the same
-    times (FlowTrain: encoder microbatches normally 200-300 ms, spikes over 1000 ms)."""
+    times (the Mpipe seed paper: encoder microbatches normally 200-300 ms, spikes over 1000 ms)."""
 
     low: float
     high: float

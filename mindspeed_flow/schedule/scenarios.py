@@ -7,8 +7,14 @@ budget and several schedules, each one of four layouts built from the algebra:
                ``layers`` like MindSpeed-MM's ``pipeline_num_layers``);
 ``disttrain``  the ViT on ``encoder_stages`` stages of its own, in lockstep with the LLM's
                1F1B (one longer pipeline);
-``transpose``  Mpipe's ``<transpose, 1f1b>``: the ViT replicated over the LLM's stages;
+``transpose``  Mpipe's ``<transpose, 1f1b>``: the ViT replicated over the LLM's stages,
+               ``transpose_order: ready|prefix`` and ``transpose_backward: owner|recompute``
+               (see :class:`.Transpose`);
 ``decoupled``  FlowTrain's producer on ``encoder_ranks`` ranks of its own, through the pool.
+
+``megatron`` takes ``layers: search``: every split with the ViT and ``k`` LLM layers on
+stage 0 and the other LLM layers spread evenly is simulated and the fastest kept, so the
+baseline gets its best split rather than a hand-picked one (the row names the split).
 
 Every layout takes ``backbone``: the LLM's sharded skeleton, ``1f1b`` (default), ``zb-h1`` or
 ``zb-v`` (:mod:`.zero_bubble`), so ``{layout: transpose, backbone: zb-h1}`` is
@@ -19,13 +25,17 @@ Every schedule is simulated for ``seeds`` steps (encoder jitter and pack costs d
 step) and compared per device: a simulated rank is a group of ``devices_per_rank`` devices
 (the TP group; encoder-only ranks may be smaller), one simulated pipeline is one data
 parallel replica, and the budget's devices are divided into replicas fractionally, so a
-layout with extra encoder ranks pays for them exactly.
+layout with extra encoder ranks pays for them exactly.  A region's ``forward_ms`` holds for
+``forward_devices`` devices (default: ``devices_per_rank``) and scales inversely with the
+devices that run it, so one ViT costs the same on the same devices in every config.  Each
+schedule is also composed and simulated for blocking sends (``rendezvous``), reported beside
+the eager step, and compared with the config's first row and with its ``disttrain`` row.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -35,7 +45,7 @@ from .costs import CostTable, Jitter, Link, RegionCost, pack_scale
 from .errors import ScheduleError
 from .plan import Plan
 from .regions import Region
-from .simulate import simulate
+from .simulate import SimResult, simulate
 from .skeletons import Decoupled, OneFOneB, Transpose
 from .validate import validate
 from .zero_bubble import ZeroBubbleH1, ZeroBubbleV
@@ -60,6 +70,10 @@ class Row:
     peak_gib: float
     throughput: float  # microbatches per second over the whole device budget
     speedup: float  # over the config's first schedule
+    vs_disttrain: float | None  # over the config's disttrain schedule (Mpipe's own baseline)
+    rendezvous: float  # mean step with blocking sends (compose's rendezvous programs)
+    seeds: int  # simulated steps the means are over; charts draw the first (seed 0)
+    split: tuple[int, ...] | None = None  # the megatron layout's layers per stage
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -79,13 +93,17 @@ def build_regions(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> lis
         raise ScheduleError(f"schedule {schedule.get('name')!r}: backbone {schedule['backbone']!r} "
                             f"is not one of {tuple(BACKBONES)}")
     llm_skeleton = backbone(stages=stages)
+    if schedule.get("layers") == "search":
+        raise ScheduleError(f"schedule {schedule.get('name')!r}: layers: search is resolved by best_split first")
     if layout == "megatron":
         shared = backbone(stages=stages, layers=tuple(schedule["layers"]) if "layers" in schedule else None)
         vit_skeleton = llm_skeleton = shared
     elif layout == "disttrain":
         vit_skeleton = backbone(stages=schedule.get("encoder_stages", 1))
     elif layout == "transpose":
-        vit_skeleton = Transpose(max_in_flight=schedule.get("encoder_in_flight"))
+        vit_skeleton = Transpose(max_in_flight=schedule.get("encoder_in_flight"),
+                                 order=schedule.get("transpose_order", "ready"),
+                                 backward=schedule.get("transpose_backward", "owner"))
     elif layout == "decoupled":
         vit_skeleton = Decoupled(
             max_in_flight=schedule.get("encoder_in_flight"), ranks=schedule.get("encoder_ranks", 1)
@@ -102,12 +120,13 @@ def build_regions(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> lis
 
 def build_costs(config: Mapping[str, Any], schedule: Mapping[str, Any], seed: int) -> CostTable:
     """Costs of one simulated step of one schedule entry: encoder jitter and pack-cost
-    spread drawn from ``seed``.  Encoder ranks of ``encoder_devices_per_rank`` devices run
-    the ViT slower than a full rank, in proportion (ideal scaling is assumed)."""
-    slowdown = {"vit": _need(config, "devices_per_rank") / schedule.get(
-        "encoder_devices_per_rank", _need(config, "devices_per_rank"))}
+    spread drawn from ``seed``.  A region's time scales inversely with the devices running
+    it (ideal scaling): the ViT runs on ``encoder_devices_per_rank`` devices (default: a
+    full rank), the LLM on ``devices_per_rank``."""
+    per_rank = _need(config, "devices_per_rank")
+    devices = {"vit": schedule.get("encoder_devices_per_rank", per_rank)}
     regions = {
-        name: _region_cost(spec, seed, slowdown.get(name, 1.0))
+        name: _region_cost(spec, seed, spec.get("forward_devices", per_rank) / devices.get(name, per_rank))
         for name, spec in _need(config, "regions").items()
     }
     cv = _need(config, "packing_cv", schedule.get("packing", "unbalanced"))
@@ -123,6 +142,7 @@ def build_costs(config: Mapping[str, Any], schedule: Mapping[str, Any], seed: in
 
 def plan_for(config: Mapping[str, Any], schedule: Mapping[str, Any], semantics: str = "eager") -> Plan:
     """Compose and validate one schedule entry; its nominal costs order shared ranks."""
+    schedule = best_split(config, schedule)
     nominal = build_costs(config, schedule, seed=0).nominal()
     plan = compose(build_regions(config, schedule), _need(config, "num_microbatches"),
                    duration=nominal.compute_seconds, semantics=semantics)
@@ -130,17 +150,43 @@ def plan_for(config: Mapping[str, Any], schedule: Mapping[str, Any], semantics: 
     return plan
 
 
+def best_split(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``schedule`` with ``layers: search`` replaced by the fastest split of its kind: the
+    ViT and ``k`` LLM layers on stage 0, the rest even (the extra layers on the last
+    stages), judged by the mean simulated step over the config's seeds."""
+    if schedule.get("layers") != "search":
+        return schedule
+    vit, llm = _need(config, "regions", "vit", "layers"), _need(config, "regions", "llm", "layers")
+    stages = _need(schedule, "stages")
+    if stages == 1:
+        return {**schedule, "layers": [vit + llm]}
+    best: tuple[float, Mapping[str, Any]] | None = None
+    for k in range(0, min(llm - (stages - 1), -(-llm // stages)) + 1):
+        rest, extra = divmod(llm - k, stages - 1)
+        layers = [vit + k] + [rest + (i >= stages - 1 - extra) for i in range(stages - 1)]
+        candidate = {**schedule, "layers": layers}
+        step = _mean(r.step_time for r in _simulated(config, candidate, plan_for(config, candidate)))
+        if best is None or step < best[0]:
+            best = (step, candidate)
+    return best[1]
+
+
 def run(config: Mapping[str, Any], charts: Path | None = None) -> list[Row]:
-    """Simulate every schedule of ``config``; draw each one's first step under ``charts``."""
+    """Simulate every schedule of ``config`` under eager and rendezvous semantics; draw each
+    one's first simulated step (seed 0) under ``charts``."""
     rows: list[Row] = []
     per_rank = _need(config, "devices_per_rank")
     count = _need(config, "num_microbatches")
-    for schedule in _need(config, "schedules"):
-        name = _need(schedule, "name")
+    seeds = config.get("seeds", 1)
+    for entry in _need(config, "schedules"):
+        name = _need(entry, "name")
+        schedule = best_split(config, entry)
         plan = plan_for(config, schedule)
-        results = [simulate(plan, build_costs(config, schedule, s)) for s in range(config.get("seeds", 1))]
+        results = _simulated(config, schedule, plan)
+        blocking = _simulated(config, schedule, plan_for(config, schedule, "rendezvous"))
         if charts is not None:
-            results[0].gantt(charts / f"{name}.png", f"{config.get('name', '')} {name}")
+            title = f"{config.get('name', '')} {name}, seed 0 of {seeds} (table: mean {_mean(r.step_time for r in results):.2f} s)"
+            results[0].gantt(charts / f"{name}.png", title)
         encoder_ranks = _encoder_ranks(plan)
         devices = per_rank * (len(plan.programs) - encoder_ranks) + encoder_ranks * schedule.get(
             "encoder_devices_per_rank", per_rank)
@@ -158,8 +204,19 @@ def run(config: Mapping[str, Any], charts: Path | None = None) -> list[Row]:
             peak_gib=max(max(r.peak_bytes.values()) for r in results) / 2**30,
             throughput=throughput,
             speedup=throughput / rows[0].throughput if rows else 1.0,
+            vs_disttrain=None,
+            rendezvous=_mean(r.step_time for r in blocking),
+            seeds=seeds,
+            split=tuple(schedule["layers"]) if schedule["layout"] == "megatron" and "layers" in schedule else None,
         ))
+    disttrain = next((r for r in rows if r.layout == "disttrain"), None)
+    if disttrain is not None:
+        rows = [replace(r, vs_disttrain=r.throughput / disttrain.throughput) for r in rows]
     return rows
+
+
+def _simulated(config: Mapping[str, Any], schedule: Mapping[str, Any], plan: Plan) -> list[SimResult]:
+    return [simulate(plan, build_costs(config, schedule, s)) for s in range(config.get("seeds", 1))]
 
 
 def _encoder_ranks(plan: Plan) -> int:
@@ -171,19 +228,29 @@ def _encoder_ranks(plan: Plan) -> int:
 
 
 def format_table(title: str, rows: list[Row]) -> str:
-    header = (f"{'schedule':<20} {'layout':<10} {'ranks':>5} {'dev':>4} {'step s':>8} {'bubble':>7} "
-              f"{'util min-max':>13} {'peak act GiB':>12} {'mb/s':>8} {'speedup':>8}")
+    """One line per schedule: eager step and bubble, the rendezvous step beside it, and
+    throughput per device over the first row and over the disttrain row."""
+    header = (f"{'schedule':<24} {'layout':<10} {'ranks':>5} {'dev':>4} {'step s':>8} {'rdv s':>7} "
+              f"{'bubble':>7} {'util min-max':>13} {'peak act GiB':>12} {'mb/s':>8} {'speedup':>8} "
+              f"{'vs dist':>8}")
     lines = [title, header, "-" * len(header)]
     for r in rows:
+        versus = f"{r.vs_disttrain:>7.2f}x" if r.vs_disttrain is not None else f"{'-':>8}"
         lines.append(
-            f"{r.name:<20} {r.layout:<10} {r.ranks:>5} {r.devices:>4} {r.step:>8.2f} "
+            f"{r.name:<24} {r.layout:<10} {r.ranks:>5} {r.devices:>4} {r.step:>8.2f} {r.rendezvous:>7.2f} "
             f"{r.bubble:>7.1%} {r.util_min:>6.0%}-{r.util_max:<6.0%} {r.peak_gib:>12.1f} "
-            f"{r.throughput:>8.1f} {r.speedup:>7.2f}x"
+            f"{r.throughput:>8.1f} {r.speedup:>7.2f}x {versus}"
         )
+    splits = [f"{r.name} layers {list(r.split)}" for r in rows if r.split]
+    seeds = rows[0].seeds if rows else 0
+    lines.append(f"means over {seeds} simulated steps (seeds 0..{seeds - 1}; each chart draws seed 0); "
+                 "rdv: blocking sends; speedup: throughput per device over the first row, vs dist: "
+                 "over the disttrain row" + (f"; {', '.join(splits)}" if splits else ""))
     return "\n".join(lines)
 
 
 def _region_cost(spec: Mapping[str, Any], seed: int, slowdown: float) -> RegionCost:
+    """A region's costs; ``slowdown`` scales its times (its devices' share of the reference)."""
     forward = _need(spec, "forward_ms")
     jitter = None
     if isinstance(forward, list):
@@ -196,6 +263,7 @@ def _region_cost(spec: Mapping[str, Any], seed: int, slowdown: float) -> RegionC
         backward_ratio=spec.get("backward_ratio", 2.0),
         input_grad_ratio=spec.get("input_grad_ratio", 1.0),
         output_bytes=spec.get("output_mb", 0) * _MB,
+        input_bytes=spec.get("input_mb", 0) * _MB,
         stored_bytes=spec.get("stored_mb", 0) * _MB,
         param_bytes=spec.get("param_mb", 0) * _MB,
         jitter=jitter,
