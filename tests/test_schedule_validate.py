@@ -262,6 +262,16 @@ def test_a_single_replica_has_no_collectives():
         validate(edited(plan, 0, lambda p: p.insert(0, broadcast)))
 
 
+def test_a_collective_per_microbatch():
+    def per_microbatch(rank, program):
+        program[-1] = dataclasses.replace(program[-1], microbatch=0)
+
+    with pytest.raises(ScheduleError, match=(
+            r"rank 0 action #\d+ `REDUCE vit.s0 mb0 group=\[0, 1, 2, 3\]`: a collective covers the whole "
+            r"replicated region once per step: stage 0, no microbatch, peer or key")):
+        validate(rewritten(transposed_vit(), per_microbatch))
+
+
 def test_a_collective_twice_on_a_member():
     plan = transposed_vit()
     with pytest.raises(ScheduleError, match=r"rank 0 action #\d+ `REDUCE vit.s0 .*`: rank 0 runs .* 2 times, expected once per step"):

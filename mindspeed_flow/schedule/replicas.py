@@ -68,8 +68,11 @@ def _check_each_collective(
                     f"{where}: group {list(a.group)} is not the replica group {list(group)} of "
                     f"region {a.region!r} (a {_WHAT[a.kind]} spans every replica and only them)"
                 )
-            if a.microbatch is not None or a.peer is not None:
-                raise ScheduleError(f"{where}: a collective runs once per step, with no microbatch or peer")
+            if a.microbatch is not None or a.peer is not None or a.stage or a.key:
+                raise ScheduleError(
+                    f"{where}: a collective covers the whole replicated region once per step: "
+                    "stage 0, no microbatch, peer or key"
+                )
             _check_side(programs, rank, i, a)
             calls[(a.kind, a.region, rank)].append(i)
     return calls
