@@ -1,0 +1,220 @@
+"""``--ckpt-format torch_dist`` under ``conv_matmul``: megatron-core's real
+``dist_checkpointing`` saves and loads the patch embedding in the conv layout, both ways.
+
+Two gloo ranks (data parallel 2, so the replica ids of replicated tensors matter) run
+megatron-core's ``dist_checkpointing.save`` / ``load`` on CPU on:
+
+* Megatron's own ``CLIPViTModel`` (a ``MegatronModule`` whose ``conv1`` is a stride == kernel
+  ``Conv2d``), built through the plugin's real ``__init__`` wrapper;
+* a Qwen2-VL-shaped patch embedding: a *stand-in* of MindSpeed-MM's ``PatchEmbed`` (a plain
+  ``nn.Module`` holding ``proj = Conv3d(stride=kernel)``, the structure that matters here:
+  Megatron takes a plain module's ``state_dict``, not a sharded one), inside a
+  ``MegatronModule``;
+
+and Megatron's distributed optimizer (Adam, ``use_distributed_optimizer=True``) whose states
+are saved through the same factory, so they too are in the conv layout on disk.
+
+Checked: an upstream (conv) checkpoint loads into the patched model, a patched checkpoint
+loads into the upstream model, every tensor equal (the conv weight as the reshaped linear
+weight).  Before the fix the first load failed with the shape mismatch
+``[E, 3, 2, 14, 14]`` vs ``[E, 1176]`` reported in issue 8.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+HIDDEN = 16
+WORLD_SIZE = 2
+
+
+def _rank_main(rank: int, world_size: int, root: str, worker, args: tuple) -> None:
+    """One rank: join a gloo group through a file store, run ``worker``, save its result.
+
+    Not ``megatron_cpu_harness.launch``: its ranks are daemon processes, and megatron-core's
+    ``torch_dist`` writer starts a ``multiprocessing.Manager`` (a child process) per save.
+    """
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    # The torch_dist writer synchronises the CUDA stream before copying tensors out; on a
+    # CPU-only build there is no stream, and the call must be a no-op (a CPU shim).
+    torch.cuda.synchronize = lambda device=None: None
+    _bind_serialization_format()
+    store = dist.FileStore(f"{root}/store", world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=180))
+    try:
+        torch.save(worker(rank, world_size, *args), f"{root}/result{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _bind_serialization_format() -> None:
+    """megatron-core 0.12's ``torch_dist`` writer calls torch's private ``_write_item``
+    without the ``serialization_format`` argument that torch 2.13 requires (the pinned
+    cluster stack, torch 2.7, has no such argument).  Bind torch's default format so the
+    writer's forked workers can save; the bytes written are torch's ordinary format."""
+    import functools
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint import filesystem
+
+    if "serialization_format" in filesystem._write_item.__code__.co_varnames:
+        filesystem_async._write_item = functools.partial(
+            filesystem._write_item, serialization_format=filesystem.SerializationFormat.TORCH_SAVE
+        )
+
+
+def launch_ranks(worker, root: Path, *args) -> list:
+    """``worker(rank, world_size, *args)`` on WORLD_SIZE spawned (non-daemon) ranks; raises
+    with the failing rank's traceback; every rank has exited when this returns."""
+    import torch
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(WORLD_SIZE, str(root), worker, args), nprocs=WORLD_SIZE, join=True)
+    return [torch.load(root / f"result{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+def _vit_config():
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides
+
+    return TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=32,
+                             hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+                             **cpu_safe_config_overrides())
+
+
+def _build_clip(patched: bool, seed: int):
+    """Megatron's CLIPViTModel; patched: through the conv_matmul feature's __init__ wrapper."""
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from mindspeed_flow.adapters.mindspeed_mm import swap_conv_after_init
+
+    torch.manual_seed(seed)
+    kwargs = dict(ln_pre_impl=WrappedTorchNorm, ln_post_impl=WrappedTorchNorm, patch_dim=4, img_h=8, img_w=8)
+    args = (_vit_config(), get_gpt_layer_local_spec())
+    if not patched:
+        return CLIPViTModel(*args, **kwargs)
+    model = CLIPViTModel.__new__(CLIPViTModel)
+    swap_conv_after_init("conv1")(functools.partial(CLIPViTModel.__init__, model), model, args, kwargs)
+    return model
+
+
+def _build_qwen_like(patched: bool, seed: int):
+    """A MegatronModule holding a stand-in of MindSpeed-MM's PatchEmbed (plain nn.Module,
+    ``proj = Conv3d(3, E, [2, 4, 4], stride=kernel)``) and a linear layer after it."""
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+    from torch import nn
+
+    from mindspeed_flow.adapters.mindspeed_mm import swap_conv_after_init
+
+    class PatchEmbedStandIn(nn.Module):
+        def __init__(self, in_channels: int, embed_dim: int) -> None:
+            super().__init__()
+            self.proj = nn.Conv3d(in_channels, embed_dim, (2, 4, 4), stride=(2, 4, 4), bias=False)
+
+    class TinyVisionModel(MegatronModule):
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            torch.manual_seed(seed)
+            self.patch_embed = PatchEmbedStandIn.__new__(PatchEmbedStandIn)
+            init = functools.partial(PatchEmbedStandIn.__init__, self.patch_embed)
+            if patched:
+                swap_conv_after_init("proj")(init, self.patch_embed, (3, HIDDEN), {})
+            else:
+                init(3, HIDDEN)
+            self.head = nn.Linear(HIDDEN, HIDDEN)
+
+    return TinyVisionModel(_vit_config())
+
+
+BUILDERS = {"clip": (_build_clip, "conv1.weight"), "qwen": (_build_qwen_like, "patch_embed.proj.weight")}
+
+
+def _save(model, directory: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+
+
+def _load(model, directory: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory), strict=True)
+
+
+def _plain_state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def model_round_trip_worker(rank: int, world_size: int, root: str) -> dict:
+    """For each model kind: upstream save -> patched load, and patched save -> upstream
+    load; returns both sides' state dicts and the saved global shape of the conv weight."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_cpu_harness import megatron_parallel
+
+    results = {}
+    with megatron_parallel():
+        for kind, (build, key) in BUILDERS.items():
+            upstream, patched = build(False, 1), build(True, 2)
+            assert type(patched.get_submodule(key.rsplit(".", 1)[0])).__name__ == "PatchEmbedMatmul"
+            _save(upstream, f"{root}/{kind}_from_upstream")
+            _load(patched, f"{root}/{kind}_from_upstream")
+            first = (_plain_state(upstream), _plain_state(patched))
+            torch.distributed.barrier()
+
+            patched_saver, upstream_loader = build(True, 3), build(False, 4)
+            _save(patched_saver, f"{root}/{kind}_from_patched")
+            _load(upstream_loader, f"{root}/{kind}_from_patched")
+            second = (_plain_state(patched_saver), _plain_state(upstream_loader))
+            saved = dist_checkpointing.load_tensors_metadata(f"{root}/{kind}_from_patched")
+            results[kind] = {"first": first, "second": second, "saved_shape": tuple(saved[key].global_shape)}
+    return results
+
+
+def assert_same_model(conv_side: dict, matmul_side: dict, key: str) -> None:
+    assert conv_side.keys() == matmul_side.keys()
+    for name, value in conv_side.items():
+        other = matmul_side[name]
+        if name == key:
+            assert value.dim() > 2 and other.dim() == 2
+            other = other.reshape(value.shape)
+        assert other.shape == value.shape and bool((other == value).all()), name
+
+
+def test_torch_dist_checkpoints_load_both_ways_under_conv_matmul(tmp_path: Path):
+    for kind in BUILDERS:
+        for side in ("from_upstream", "from_patched"):
+            (tmp_path / f"{kind}_{side}").mkdir()
+    per_rank = launch_ranks(model_round_trip_worker, tmp_path, str(tmp_path))
+    for kind, (_, key) in BUILDERS.items():
+        for results in per_rank:
+            result = results[kind]
+            upstream, patched = result["first"]
+            assert_same_model(upstream, patched, key)
+            patched_saver, upstream_loader = result["second"]
+            assert_same_model(upstream_loader, patched_saver, key)
+            # what a patched job writes is the upstream layout
+            assert result["saved_shape"] == tuple(upstream[key].shape)
+        # the two models of a round trip started from different seeds: the load did the work
+        upstream, _ = per_rank[0][kind]["first"]
+        _, upstream_loader = per_rank[0][kind]["second"]
+        assert not bool((upstream[key] == upstream_loader[key]).all())
