@@ -61,6 +61,8 @@ def add_flow_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                            default=None, help=f"{spec.help} (default: on under {MASTER_FLAG})")
     group.add_argument("--flow-pool-backend", choices=POOL_BACKENDS, default=None,
                        help=f"memory pool backend; implies --flow-pool (default: {DEFAULT_POOL_BACKEND})")
+    group.add_argument("--flow-allocator-plan", default=None, metavar="PLAN",
+                       help="plan file (mindspeed-flow plan CONFIG --out PLAN) that --flow-allocator applies")
     return parser
 
 

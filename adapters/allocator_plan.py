@@ -1,0 +1,114 @@
+"""Applying an allocator plan to upstream at initialisation.
+
+Megatron: the backbone's parallel sizes and batch go into ``args`` just before Megatron's
+``validate_args`` derives everything else from them (data parallel size, microbatches),
+so the job is validated as if the flags had been given.  MindSpeed-MM: once
+``merge_mm_args`` has read the model JSON into ``args.mm.model``, the per-module layer
+splits (``pipeline_num_layers`` of ``image_encoder.vision_encoder`` and ``text_decoder``)
+and the encoder's own ``tensor_model_parallel_size`` (read by ``--hetero-parallel``) are
+set there.
+
+The plan comes from ``--flow-allocator-plan`` (command line, or ``MINDSPEED_FLOW_FLAGS``).
+A plan that cannot fit the job fails at start-up with both numbers named: a world size
+other than the backbone's devices (encoder replicas on devices of their own need the
+decoupled schedule, which this version does not run), or a layer count that is not the
+plan's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Callable
+
+from mindspeed_flow.allocator.plan import Plan
+from mindspeed_flow.allocator.specs import AllocatorError
+from mindspeed_flow.allocator.upstream import mindspeed_mm_model
+from mindspeed_flow.config import env_flags, parse_flow_flags
+
+log = logging.getLogger(__name__)
+
+
+def plan_path(namespace: argparse.Namespace) -> str:
+    path = getattr(namespace, "flow_allocator_plan", None) or parse_flow_flags(env_flags()).flow_allocator_plan
+    if not path:
+        raise AllocatorError("--flow-allocator is on but no plan was given: add --flow-allocator-plan PLAN.yaml "
+                             "(write one with `mindspeed-flow plan CONFIG --out PLAN.yaml`)")
+    return path
+
+
+def megatron_settings(plan: Plan, namespace: argparse.Namespace, where: str) -> dict[str, Any]:
+    """The ``args`` attributes the plan sets; checks the plan against the job first."""
+    bb = plan.backbone
+    world = getattr(namespace, "world_size", None)
+    if world is not None and world != bb.devices:
+        raise AllocatorError(
+            f"{where}: the plan's backbone needs {bb.devices} devices (dp {bb.dp} x tp {bb.tp} x pp {bb.pp}) but "
+            f"this job has world size {world}; the encoder's own {plan.encoder.devices} devices run only "
+            f"under the decoupled schedule, not in this version")
+    layers = getattr(namespace, "num_layers", None)
+    if layers is not None and layers != sum(bb.layer_split):
+        raise AllocatorError(f"{where}: the plan splits {sum(bb.layer_split)} backbone layers "
+                             f"{list(bb.layer_split)}, but --num-layers is {layers}")
+    settings: dict[str, Any] = {
+        "tensor_model_parallel_size": bb.tp,
+        "pipeline_model_parallel_size": bb.pp,
+        "micro_batch_size": bb.micro_batch,
+        "global_batch_size": plan.global_batch,
+        "sequence_parallel": bb.tp > 1,
+    }
+    split = bb.layer_split
+    if len(set(split)) > 1:  # Megatron expresses a split as uneven first/last stages only
+        if len(set(split[1:-1])) > 1:
+            raise AllocatorError(f"{where}: Megatron cannot express the layer split {list(split)} "
+                                 "(only the first and last stage may differ)")
+        settings["decoder_first_pipeline_num_layers"] = split[0]
+        settings["decoder_last_pipeline_num_layers"] = split[-1]
+    return settings
+
+
+def apply_to_megatron_args(namespace: argparse.Namespace) -> Plan:
+    """Load the plan named by the flags and write its sizes into Megatron's ``args``."""
+    path = plan_path(namespace)
+    plan = Plan.load(path)
+    for name, value in megatron_settings(plan, namespace, path).items():
+        before = getattr(namespace, name, None)
+        setattr(namespace, name, value)
+        if before != value and getattr(namespace, "rank", 0) == 0:
+            log.info("mindspeed-flow allocator: %s %s -> %s (%s)", name, before, value, path)
+    return plan
+
+
+def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``validate_args(args, defaults={})`` with the plan's sizes written in first."""
+    apply_to_megatron_args(args[0] if args else kwargs["args"])
+    return wrapped(*args, **kwargs)
+
+
+def _section(node: Any, dotted: str, where: str) -> Any:
+    for key in dotted.split("."):
+        node = getattr(node, key, None)
+        if node is None:
+            raise AllocatorError(f"{where}: the MindSpeed-MM model config has no {dotted} (--mm-model)")
+    return node
+
+
+def apply_to_mm_model(model: Any, plan: Plan, where: str) -> None:
+    """Write the plan's per-module entries into MindSpeed-MM's model config object."""
+    wanted = mindspeed_mm_model(plan)
+    encoder = _section(model, "image_encoder.vision_encoder", where)
+    if getattr(encoder, "num_layers", plan.encoder.layers) != plan.encoder.layers:
+        raise AllocatorError(f"{where}: the plan's encoder has {plan.encoder.layers} layers, the vision encoder "
+                             f"config has {encoder.num_layers}")
+    for key, value in wanted["image_encoder"]["vision_encoder"].items():
+        setattr(encoder, key, value)
+    _section(model, "text_decoder", where).pipeline_num_layers = wanted["text_decoder"]["pipeline_num_layers"]
+
+
+def merge_mm_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``merge_mm_args(args)``, then the plan's splits into ``args.mm.model``."""
+    result = wrapped(*args, **kwargs)
+    namespace = args[0] if args else kwargs["args"]
+    path = plan_path(namespace)
+    apply_to_mm_model(namespace.mm.model, Plan.load(path), path)
+    return result

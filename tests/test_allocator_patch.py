@@ -1,0 +1,129 @@
+"""The ``allocator`` patch: a plan's sizes reach Megatron's args (through Megatron-LM's real
+``parse_args`` / ``validate_args`` from the pinned sources) and MindSpeed-MM's model config;
+a plan that does not fit the job is refused with both numbers named."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mindspeed_flow.adapters.allocator_plan import apply_to_megatron_args, apply_to_mm_model
+from mindspeed_flow.allocator import AllocatorError, BackboneConfig, EncoderConfig, Plan, Prediction
+from pinned_upstream import unpack
+from subprocess_utils import last_json, run_python
+
+PREDICTION = Prediction(throughput=10.0, production=11.0, consumption=10.0, mfu=0.4, bubble_fraction=0.1,
+                        backbone_step_s=6.4, microbatches=16, encoder_memory_gib=10.0, backbone_memory_gib=50.0)
+
+
+def make_plan(split=(10,) * 8, dp=2, tp=4, micro_batch=1) -> Plan:
+    return Plan(EncoderConfig(dp=3, tp=2, layers=32),
+                BackboneConfig(dp=dp, tp=tp, pp=len(split), micro_batch=micro_batch, layer_split=split),
+                global_batch=64, predicted=PREDICTION)
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory) -> dict[str, str]:
+    return unpack(tmp_path_factory.mktemp("upstream"))
+
+
+def namespace(plan_file: Path, **values) -> argparse.Namespace:
+    return argparse.Namespace(flow_allocator_plan=str(plan_file), **values)
+
+
+def test_plan_sizes_go_into_args(tmp_path):
+    path = make_plan().save(tmp_path / "plan.yaml")
+    args = namespace(path, world_size=64, num_layers=80, tensor_model_parallel_size=1,
+                     pipeline_model_parallel_size=1, micro_batch_size=4, global_batch_size=None)
+    apply_to_megatron_args(args)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size,
+            args.global_batch_size, args.sequence_parallel) == (4, 8, 1, 64, True)
+    assert not hasattr(args, "decoder_first_pipeline_num_layers")  # even split: nothing to say
+
+
+def test_uneven_first_and_last_stage_use_megatrons_flags(tmp_path):
+    path = make_plan(split=(8, 11, 11, 11, 11, 11, 11, 6)).save(tmp_path / "plan.json")
+    args = namespace(path, world_size=64, num_layers=80)
+    apply_to_megatron_args(args)
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (8, 6)
+    bad = make_plan(split=(10, 9, 11, 10, 10, 10, 10, 10)).save(tmp_path / "bad.yaml")
+    with pytest.raises(AllocatorError, match=r"cannot express the layer split \[10, 9, 11"):
+        apply_to_megatron_args(namespace(bad, world_size=64, num_layers=80))
+
+
+def test_a_plan_that_does_not_fit_the_job_is_refused_by_name(tmp_path):
+    path = make_plan().save(tmp_path / "plan.yaml")
+    with pytest.raises(AllocatorError, match=r"needs 64 devices \(dp 2 x tp 4 x pp 8\) but this job has world size 70"):
+        apply_to_megatron_args(namespace(path, world_size=70, num_layers=80))
+    with pytest.raises(AllocatorError, match=r"splits 80 backbone layers .* but --num-layers is 48"):
+        apply_to_megatron_args(namespace(path, world_size=64, num_layers=48))
+    with pytest.raises(AllocatorError, match="no plan was given: add --flow-allocator-plan"):
+        apply_to_megatron_args(argparse.Namespace(world_size=64))
+    with pytest.raises(AllocatorError, match="does not exist"):
+        apply_to_megatron_args(namespace(tmp_path / "missing.yaml"))
+
+
+def _config_tree(value):
+    """A stand-in for MindSpeed-MM's ``ConfigReader`` (attribute access over the JSON): the
+    real class sits in a module whose package import needs torch_npu."""
+    if isinstance(value, dict):
+        return SimpleNamespace(**{k: _config_tree(v) for k, v in value.items()})
+    return value
+
+
+def test_mindspeed_mm_model_config_gets_the_per_module_splits(upstream, tmp_path):
+    model_json = Path(upstream["MINDSPEED_MM_SRC"], "examples/qwen2.5vl/model_72b.json")
+    model = _config_tree(json.loads(model_json.read_text()))
+    assert model.text_decoder.pipeline_num_layers == [6, 11, 11, 11, 11, 11, 11, 8]  # upstream's own split
+    plan = make_plan(split=(20, 20, 20, 20), dp=4)
+    apply_to_mm_model(model, plan, "plan.yaml")
+    assert model.text_decoder.pipeline_num_layers == [20, 20, 20, 20]
+    assert model.image_encoder.vision_encoder.pipeline_num_layers == [32, 0, 0, 0]
+    assert model.image_encoder.vision_encoder.tensor_model_parallel_size == 2
+    model.image_encoder.vision_encoder.num_layers = 24
+    with pytest.raises(AllocatorError, match="plan's encoder has 32 layers, the vision encoder config has 24"):
+        apply_to_mm_model(model, plan, "plan.yaml")
+
+
+def test_real_megatron_lm_validate_args_derives_the_plans_data_parallel_size(upstream, tmp_path):
+    """Megatron-LM core_r0.12.1's own parse_args + validate_args, plugin active from the
+    command line: the plan's sizes are what Megatron validates, and the data parallel
+    size Megatron derives from them is the plan's."""
+    path = make_plan().save(tmp_path / "plan.yaml")
+    flags = ["--flow-allocator", "--flow-allocator-plan", str(path)]
+    code = '''
+    import json, sys
+    from megatron.training import arguments
+    sys.argv = ["pretrain_gpt.py", "--num-layers", "80", "--hidden-size", "256", "--num-attention-heads", "8",
+                "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "4",
+                *sys.argv[1:]]
+    args = arguments.parse_args(None, False)
+    arguments.validate_args(args, {})
+    print(json.dumps({k: getattr(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                      "micro_batch_size", "global_batch_size", "data_parallel_size", "sequence_parallel")}))
+    '''
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 is what Megatron asks of every TP job's launch script.
+    env = {"PYTHONPATH": upstream["MEGATRON_LM_SRC"], "WORLD_SIZE": "64", "RANK": "0",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    out = last_json(run_python(code, flags, env=env))
+    assert out == {"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 8, "micro_batch_size": 1,
+                   "global_batch_size": 64, "data_parallel_size": 2, "sequence_parallel": True}
+    refused = run_python(code, flags, env={**env, "WORLD_SIZE": "48"})
+    assert refused.returncode != 0 and "this job has world size 48" in refused.stderr
+
+
+def test_doctor_finds_the_allocator_targets_in_the_pinned_sources(upstream):
+    rows = []
+    for root in (upstream["MINDSPEED_MM_SRC"], upstream["MEGATRON_LM_SRC"]):
+        proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "doctor", "--json", "--src", root],
+                              capture_output=True, text=True, timeout=120)
+        rows += [r for r in json.loads(proc.stdout) if r["feature"] == "allocator"]
+    found = {(r["target"], r["status"]) for r in rows}
+    assert ("megatron.training.arguments:validate_args", "found") in found
+    assert ("mindspeed_mm.configs.config:merge_mm_args", "found") in found
