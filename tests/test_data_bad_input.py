@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mindspeed_flow.data import FlowDataLoader
+from mindspeed_flow.data.batch import completed_samples
 from mindspeed_flow.data.decode import BadSample, Decoder
 from mindspeed_flow.data.overlong import fit, image_runs
 from mindspeed_flow.data.source import Corpus, MalformedRecord
@@ -118,7 +119,7 @@ def test_split_cuts_between_image_runs_and_keeps_every_token_and_pixel(corpus, c
         assert c.pixel_values.shape[0] == int(c.image_grid_thw.prod(dim=1).sum())
     bounds = set(torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()[:-1])
     assert not any(start < b < end for start, end in image_runs(sample, image_id) for b in bounds)
-    assert [c.sample_id for c in chunks] == [f"{sample.sample_id}#{k}" for k in range(len(chunks))]
+    assert [c.sample_id for c in chunks] == [f"{sample.sample_id}#{k}/{len(chunks)}" for k in range(len(chunks))]
     truncated = fit(sample, capacity, "truncate", image_id)
     assert len(truncated) == 1 and torch.equal(truncated[0].input_ids, chunks[0].input_ids)
 
@@ -136,6 +137,7 @@ def test_split_policy_in_the_loader_packs_chunks_within_capacity(corpus):
     ids = [i for b in batches for i in b["sample_ids"]]
     chunks = [i for i in ids if i.startswith("bad.jsonl:8#")]
     assert len(chunks) >= 4 and loader.stats.bad["overlong"] == 0
+    assert completed_samples(ids) == 1 and completed_samples(ids[:-1]) == 0  # the last chunk completes it
     assert loader.stats.chunks == len(ids) and loader.stats.samples_packed == 1
     assert all(b["input_ids"].shape[1] <= CAPACITY for b in batches)
     for b in batches:  # every chunk's first label is masked like any segment's

@@ -9,8 +9,8 @@
 - ``position_ids``: int64 ``[3, 1, T]`` M-RoPE ids, per sample as if it were alone.
 - ``pixel_values``: float32 ``[sum t*h*w, 1176]`` and ``image_grid_thw``: int64 ``[N, 3]``,
   images in sample order.
-- ``sample_ids``: the samples' ids in pack order (``file:line``, ``#k`` for chunk ``k`` of
-  a split sample).
+- ``sample_ids``: the samples' ids in pack order (``file:line``; ``file:line#k/n`` for
+  chunk ``k`` of a sample split into ``n``).
 """
 
 from __future__ import annotations
@@ -45,3 +45,16 @@ def collate_pack(samples: Sequence[Sample]) -> dict[str, Any]:
         "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).reshape(-1, 3),
         "sample_ids": [s.sample_id for s in samples],
     }
+
+
+def completed_samples(sample_ids: Sequence[str]) -> int:
+    """Samples a pack completes: whole samples, and split ones in the pack of their last chunk."""
+    done = 0
+    for sample_id in sample_ids:
+        _, split, chunk = sample_id.rpartition("#")
+        if not split:
+            done += 1
+        else:
+            k, n = chunk.split("/")
+            done += int(k) == int(n) - 1
+    return done

@@ -69,7 +69,7 @@ def split_sample(sample: Sample, cuts: list[int], image_token_id: int, merge: in
         n_patches = sum(patches_per_image[first_image:image])
         assert sum(tokens_per_image[first_image:image]) == sum(e - s for s, e in runs[first_image:image])
         chunks.append(replace(
-            sample, chunk=k, sample_id=f"{sample.sample_id}#{k}",
+            sample, chunk=k, sample_id=f"{sample.sample_id}#{k}/{len(cuts) - 1}",
             input_ids=sample.input_ids[lo:hi], labels=sample.labels[lo:hi],
             position_ids=sample.position_ids[:, lo:hi],
             pixel_values=sample.pixel_values[patch:patch + n_patches],
