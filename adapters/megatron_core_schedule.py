@@ -1,0 +1,138 @@
+"""Megatron's ``forward_backward_func`` served by the mindspeed-flow runtime.
+
+:func:`flow_forward_backward` takes Megatron's keywords, reads the pipeline from
+``parallel_state`` and runs this rank's program of the configured layout (default:
+Megatron's own, 1F1B or interleaved by the length of the model list, so numbers do not
+change).  It keeps Megatron's contract around the schedule too: the model config's
+``no_sync_func`` holds gradient reduction back until each chunk's last backward, and
+``finalize_model_grads_func`` runs at the end, with the token count of 3-value losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from mindspeed_flow.runtime import Binding, Executor, LossRules, RuntimeOptions
+from mindspeed_flow.runtime.layout import local_visits, megatron_layout, plan_for
+from mindspeed_flow.schedule import Region
+
+log = logging.getLogger("mindspeed_flow.schedule")
+
+MEGATRON_KEYWORDS = ("forward_step_func", "data_iterator", "model", "num_microbatches", "seq_length",
+                     "micro_batch_size", "decoder_seq_length", "forward_only", "collect_non_loss_data",
+                     "first_val_step")
+
+
+@dataclass
+class ScheduleSettings:
+    """What the patch configured: a layout builder (pipeline size, chunks) -> regions
+    (``None``: Megatron's own) and the runtime's options."""
+
+    layout: Callable[[int, int], Sequence[Region]] | None = None
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
+    last_timeline: Any = None  # the measured timeline of the latest step
+    _plans: dict = field(default_factory=dict, repr=False)
+    _executors: dict = field(default_factory=dict, repr=False)
+    _ignored: set = field(default_factory=set, repr=False)
+
+
+SETTINGS = ScheduleSettings()
+
+
+def configure(layout: Callable[[int, int], Sequence[Region]] | None = None,
+              options: RuntimeOptions | None = None) -> ScheduleSettings:
+    """Set the layout and options the patched ``get_forward_backward_func`` runs with."""
+    global SETTINGS
+    SETTINGS = ScheduleSettings(layout, options or RuntimeOptions())
+    return SETTINGS
+
+
+def flow_forward_backward(*, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
+                          seq_length: int | None = None, micro_batch_size: int | None = None,
+                          decoder_seq_length: int | None = None, forward_only: bool = False,
+                          collect_non_loss_data: bool = False, first_val_step: bool | None = None,
+                          **newer: Any) -> list:
+    """Megatron's ``forward_backward_func`` signature (0.12), run by our runtime.
+
+    ``seq_length`` / ``micro_batch_size`` / ``decoder_seq_length`` are not needed: every
+    transfer carries its shape.  Keywords of newer Megatron versions (``adjust_tensor_shapes_fn``,
+    ``p2p_communicator``, ``pg_collection``...) are ignored, logged once each.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    for name in sorted(set(newer) - SETTINGS._ignored):
+        log.warning("mindspeed-flow schedule: ignoring Megatron keyword %s=%r", name, newer[name])
+        SETTINGS._ignored.add(name)
+    models = list(model) if isinstance(model, list) else [model]
+    iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator] * len(models)
+    if len(iterators) != len(models):
+        raise ValueError(f"{len(models)} model chunks but {len(iterators)} data iterators")
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    group = parallel_state.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    plan = _plan(stages, len(models), num_microbatches)
+    visits = local_visits(plan, rank)
+    if len(visits) != len(models):
+        raise ValueError(f"the schedule layout puts {len(visits)} chunks {visits} on pipeline rank {rank}, "
+                         f"but the model list has {len(models)}")
+    bindings = {v: Binding(m, it) for v, m, it in zip(visits, models, iterators)}
+    key = tuple(ranks)
+    executor = SETTINGS._executors.get(key)
+    if executor is None:
+        executor = SETTINGS._executors[key] = Executor(rank, ranks, group, options=SETTINGS.options)
+    config = get_model_config(models[0])
+    loss = LossRules(config.calculate_per_token_loss, parallel_state.get_context_parallel_world_size(),
+                     config.grad_scale_func)
+    with _grad_sync_held(config, forward_only) as release:
+        result = executor.run(plan, forward_step_func, bindings, forward_only=forward_only,
+                              collect_non_loss_data=collect_non_loss_data, loss=loss,
+                              before_last_backward=release)
+    if config.finalize_model_grads_func is not None and not forward_only:
+        config.finalize_model_grads_func(
+            models, result.total_num_tokens if config.calculate_per_token_loss else None)
+    SETTINGS.last_timeline = result.timeline
+    return result.forward_data_store
+
+
+def _plan(stages: int, chunks: int, num_microbatches: int):
+    key = (stages, chunks, num_microbatches)
+    plan = SETTINGS._plans.get(key)
+    if plan is None:
+        regions = (SETTINGS.layout or megatron_layout)(stages, chunks)
+        plan = SETTINGS._plans[key] = plan_for(regions, num_microbatches)
+    return plan
+
+
+@contextlib.contextmanager
+def _grad_sync_held(config: Any, forward_only: bool):
+    """Megatron's ``disable_grad_sync`` / ``enable_grad_sync``: gradient reduction (DDP's
+    ``no_sync``) is held back until a chunk's last backward, then released for it."""
+    funcs = config.no_sync_func
+    if funcs is None or forward_only:
+        yield None
+        return
+    funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+    contexts = [f() for f in funcs]
+    for c in contexts:
+        c.__enter__()
+    open_ = list(range(len(contexts)))
+
+    def release(chunk: int | None) -> None:
+        if (chunk is None) == (len(contexts) > 1):
+            return  # one context: released at the rank's last backward; one per chunk: at each's
+        which = chunk or 0
+        if which in open_:
+            open_.remove(which)
+            contexts[which].__exit__(None, None, None)
+
+    try:
+        yield release
+    finally:
+        for i in list(open_):
+            contexts[i].__exit__(None, None, None)

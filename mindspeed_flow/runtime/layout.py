@@ -1,0 +1,114 @@
+"""Which regions a job's step is composed of: Megatron's own layout, a YAML file, or
+MindSpeed-MM's VLM split.
+
+A layout is the input of :func:`.compose`; the runtime binds each (region, stage) this rank
+visits to one of its model chunks, in model order (:func:`local_visits`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..schedule import (GPipe, Interleaved1F1B, OneFOneB, Region, ScheduleError, Transpose, ZeroBubbleH1,
+                        compose)
+from ..schedule.plan import Plan
+
+MEGATRON_REGION = "model"
+_SHARDED = {"1f1b": OneFOneB, "gpipe": GPipe, "zb-h1": ZeroBubbleH1}
+
+
+def megatron_layout(stages: int, chunks: int = 1) -> tuple[Region, ...]:
+    """Megatron's own schedule as one region: 1F1B, or interleaved 1F1B with ``chunks``
+    model chunks per rank; turning the feature on with it changes no number."""
+    skeleton = OneFOneB(stages=stages) if chunks == 1 else Interleaved1F1B(stages=stages, chunks_per_rank=chunks)
+    return (Region(MEGATRON_REGION, stages * chunks, skeleton),)
+
+
+def vlm_layout(vision_layers: Sequence[int], text_layers: Sequence[int], *, transpose: bool = False,
+               vision_trainable: bool = True, max_in_flight: int | None = None) -> tuple[Region, ...]:
+    """Regions from MindSpeed-MM's ``pipeline_num_layers`` lists (``vision_encoder`` and
+    ``text_decoder``, one entry per pipeline stage).
+
+    Without ``transpose`` it is what MindSpeed-MM runs: each stage's chunk holds its share of
+    both, one 1F1B region (Megatron's layout).  With ``transpose`` the ViT becomes a
+    replicated ``Transpose`` region in front of a 1F1B text decoder cut by ``text_layers``
+    (the ``<transpose, 1f1b>`` composition; every rank then needs the whole ViT).
+    """
+    if len(vision_layers) != len(text_layers):
+        raise ScheduleError(
+            f"vision_encoder.pipeline_num_layers has {len(vision_layers)} stages but "
+            f"text_decoder.pipeline_num_layers has {len(text_layers)}")
+    stages = len(text_layers)
+    if not transpose:
+        return megatron_layout(stages)
+    if any(n < 1 for n in text_layers):
+        raise ScheduleError(f"text_decoder.pipeline_num_layers {list(text_layers)}: every stage needs a layer "
+                            "when the ViT is transposed")
+    return (
+        Region("vit", max(1, sum(vision_layers)), Transpose(max_in_flight=max_in_flight), trainable=vision_trainable),
+        Region("llm", sum(text_layers), OneFOneB(stages=stages, layers=tuple(text_layers))),
+    )
+
+
+def load_layout(path: str | Path, stages: int) -> tuple[Region, ...]:
+    """Regions from a YAML file (``--flow-schedule-config``)::
+
+        regions:
+          - {name: vit, layers: 2, skeleton: transpose, trainable: false, max_in_flight: 2}
+          - {name: llm, layers: 4, skeleton: 1f1b}          # stages: the pipeline size
+          # skeleton: 1f1b | gpipe | zb-h1 | interleaved (chunks: N) | transpose
+
+    Errors name the file and the region.
+    """
+    import yaml
+
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScheduleError(f"{path}: cannot read the schedule layout: {exc}") from exc
+    entries = (doc or {}).get("regions") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ScheduleError(f"{path}: expected a non-empty `regions:` list")
+    return tuple(_region(entry, i, path, stages) for i, entry in enumerate(entries))
+
+
+def _region(entry: Any, i: int, path: Path, stages: int) -> Region:
+    where = f"{path}: regions[{i}]"
+    if not isinstance(entry, dict) or "name" not in entry or "layers" not in entry:
+        raise ScheduleError(f"{where}: needs at least `name` and `layers`")
+    known = {"name", "layers", "skeleton", "trainable", "stages", "chunks", "max_in_flight", "pipeline_num_layers"}
+    unknown = set(entry) - known
+    if unknown:
+        raise ScheduleError(f"{where} ({entry['name']}): unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    kind = str(entry.get("skeleton", "1f1b")).lower()
+    split = entry.get("pipeline_num_layers")
+    layers = tuple(split) if split is not None else None
+    n = int(entry.get("stages", stages))
+    try:
+        if kind in _SHARDED:
+            skeleton = _SHARDED[kind](stages=n, layers=layers)
+        elif kind == "interleaved":
+            skeleton = Interleaved1F1B(stages=n, layers=layers, chunks_per_rank=int(entry.get("chunks", 2)))
+        elif kind == "transpose":
+            skeleton = Transpose(max_in_flight=entry.get("max_in_flight"))
+        else:
+            raise ScheduleError(f"unknown skeleton {kind!r}: 1f1b, gpipe, zb-h1, interleaved or transpose")
+        return Region(str(entry["name"]), int(entry["layers"]), skeleton, trainable=bool(entry.get("trainable", True)))
+    except (ScheduleError, TypeError, ValueError) as exc:
+        raise ScheduleError(f"{where} ({entry['name']}): {exc}") from exc
+
+
+def plan_for(regions: Sequence[Region], num_microbatches: int) -> Plan:
+    """The eager plan the runtime executes."""
+    return compose(regions, num_microbatches, semantics="eager")
+
+
+def local_visits(plan: Plan, rank: int) -> list[tuple[str, int]]:
+    """The (region, stage) pairs ``rank`` computes, in model order: the order in which a
+    Megatron model list holds this rank's chunks."""
+    order = {r.name: i for i, r in enumerate(plan.regions)}
+    seen = {(a.region, a.stage) for a in plan.programs[rank] if a.microbatch is not None
+            and a.kind.value in ("F", "B", "I", "W")}
+    return sorted(seen, key=lambda rs: (order[rs[0]], rs[1]))

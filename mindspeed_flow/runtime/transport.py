@@ -1,0 +1,212 @@
+"""Point-to-point transfers with shape metadata, eager sends and bounded waits.
+
+Every tensor travels as two messages: a small int64 header (dtype, rank of the shape, the
+shape) and the data.  The receiver allocates from the header, so each microbatch may have
+its own shape (packed sequences of different total length): no common ``seq_length`` is
+ever assumed (Megatron's ``--variable-seq-lengths`` pattern, for every tensor).
+
+Sends are *eager*: ``isend`` returns at once and the send buffer is kept alive until the
+transport reports completion (:meth:`Transport.retire`, or :meth:`Transport.drain` at the
+end of the step).  Receives block the program, but not forever.  gloo's requests neither
+report completion before ``wait()`` is called (``is_completed()`` stays False) nor survive a
+``wait(timeout)`` that expires (it closes the connection), so a :class:`Waiter` thread calls
+the blocking ``wait()`` and the program thread waits for that thread's signal in slices,
+reading the step's abort board (a key in the process group's store) between them: a wait
+ends with :class:`PeerFailure` when another rank reported a failure, when the transport
+fails (a peer's process died and its sockets closed), or after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int8, torch.uint8, torch.bool)
+MAX_DIMS = 8
+_HEADER = 2 + MAX_DIMS  # dtype code, number of dims, dims
+
+
+class PeerFailure(RuntimeError):
+    """A wait ended without its message: the reason says why (a rank's report, a closed
+    connection, the timeout)."""
+
+
+def header(tensor: torch.Tensor) -> torch.Tensor:
+    """The int64 header announcing ``tensor``'s dtype and shape."""
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(f"cannot send dtype {tensor.dtype}: supported {list(_DTYPES)}")
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"cannot send a {tensor.dim()}-d tensor: at most {MAX_DIMS} dims")
+    values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64)
+
+
+def empty_from_header(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    code, ndim = int(values[0]), int(values[1])
+    shape = [int(v) for v in values[2:2 + ndim]]
+    return torch.empty(shape, dtype=_DTYPES[code], device=device)
+
+
+class AbortBoard:
+    """Where the first failing rank of a step writes what failed, for everyone to read.
+
+    A key per step in a store every rank shares (the default process group's store);
+    ``None`` disables the board (waits then end by the transport's error or the timeout).
+    """
+
+    def __init__(self, store: Any | None, key: str) -> None:
+        self.store = store
+        self.key = key
+
+    def post(self, message: str) -> None:
+        if self.store is None:
+            return
+        try:
+            if not self.store.check([self.key]):
+                self.store.set(self.key, message)
+        except Exception:  # noqa: BLE001 - the store's server may be the process that died
+            pass
+
+    def read(self) -> str | None:
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([self.key]):
+                return self.store.get(self.key).decode()
+        except Exception:  # noqa: BLE001 - as above
+            return None
+        return None
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How long a wait may take and how often it looks at the abort board.
+
+    Attributes:
+        timeout_s: a receive or collective waiting longer fails (default 30 s).
+        abort_poll_s: how often a waiting rank reads the abort board.
+    """
+
+    timeout_s: float = 30.0
+    abort_poll_s: float = 0.25
+
+
+class Pending:
+    """A request handed to a :class:`Waiter`: ``done`` is set once ``wait()`` returned or
+    raised (then ``error`` holds the exception)."""
+
+    __slots__ = ("work", "done", "error", "buffers", "what")
+
+    def __init__(self, work: Any, buffers: tuple, what: Callable[[], str]) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.buffers = buffers  # kept alive until the request completes
+        self.what = what
+
+
+class Waiter:
+    """A daemon thread calling the blocking ``wait()`` of requests, in the order given."""
+
+    def __init__(self, name: str) -> None:
+        self.queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, work: Any, buffers: tuple = (), what: Callable[[], str] = str) -> Pending:
+        pending = Pending(work, buffers, what)
+        self.queue.put(pending)
+        return pending
+
+    def _loop(self) -> None:
+        while True:
+            pending = self.queue.get()
+            try:
+                pending.work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the program thread
+                pending.error = exc
+            pending.done.set()
+
+
+def wait(pending: Pending, policy: WaitPolicy, board: AbortBoard) -> None:
+    """Wait for ``pending`` to complete; raise :class:`PeerFailure` if a rank reported a
+    failure, the transport failed or the timeout passed."""
+    start = time.monotonic()
+    while not pending.done.wait(policy.abort_poll_s):
+        reported = board.read()
+        if reported is not None:
+            raise PeerFailure(f"stopped while waiting for {pending.what()}: {reported}")
+        if time.monotonic() - start > policy.timeout_s:
+            raise PeerFailure(f"no progress for {policy.timeout_s:g} s waiting for {pending.what()}")
+    if pending.error is not None:
+        time.sleep(0.2)  # a failing peer posts its report before its sockets close
+        exc = pending.error
+        reported = board.read()
+        cause = reported or (f"the transport failed ({type(exc).__name__}: {str(exc).strip()[:200]}); "
+                             "did the peer die?")
+        raise PeerFailure(f"{pending.what()} failed: {cause}") from exc
+
+
+class Transport:
+    """One rank's sends and receives within a group of ranks, for one step.
+
+    Args:
+        ranks: plan rank -> global rank (Megatron's pipeline group ranks).
+        group: the process group holding them (``None``: the default group).
+        policy, board: see :func:`wait`.
+        waiters: (sends, receives) :class:`Waiter` threads, kept by the executor.
+        max_pending_sends: back-pressure: with more sends outstanding than this, the
+            oldest is waited for before another is posted (``None``: unbounded, all are
+            waited for at the end of the step).
+    """
+
+    def __init__(self, ranks: Sequence[int], group: Any, policy: WaitPolicy, board: AbortBoard,
+                 waiters: tuple[Waiter, Waiter], max_pending_sends: int | None = None) -> None:
+        self.ranks = list(ranks)
+        self.group = group
+        self.policy = policy
+        self.board = board
+        self.send_waiter, self.recv_waiter = waiters
+        self.max_pending_sends = max_pending_sends
+        self.pending: deque[Pending] = deque()
+        self.peak_pending = 0
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: Callable[[], str]) -> None:
+        """Post ``tensor`` to plan rank ``peer`` without waiting (eager)."""
+        data = tensor.detach().contiguous()
+        meta = header(data)
+        dst = self.ranks[peer]
+        while self.max_pending_sends is not None and len(self.pending) >= self.max_pending_sends:
+            wait(self.pending.popleft(), self.policy, self.board)
+        for buffer, t in ((meta, 2 * tag), (data, 2 * tag + 1)):
+            work = dist.isend(buffer, dst=dst, group=self.group, tag=t)
+            self.pending.append(self.send_waiter.submit(work, (buffer,), what))
+        self.peak_pending = max(self.peak_pending, len(self.pending) // 2)
+
+    def recv(self, peer: int, tag: int, device: torch.device, what: Callable[[], str]) -> torch.Tensor:
+        """Block until plan rank ``peer``'s tensor with ``tag`` has arrived; return it."""
+        src = self.ranks[peer]
+        meta = torch.empty(_HEADER, dtype=torch.int64)
+        work = dist.irecv(meta, src=src, group=self.group, tag=2 * tag)
+        wait(self.recv_waiter.submit(work, (), what), self.policy, self.board)
+        data = empty_from_header(meta, device)
+        work = dist.irecv(data, src=src, group=self.group, tag=2 * tag + 1)
+        wait(self.recv_waiter.submit(work, (), what), self.policy, self.board)
+        return data
+
+    def retire(self) -> None:
+        """Drop completed sends from the head of the queue (their buffers can go)."""
+        while self.pending and self.pending[0].done.is_set():
+            wait(self.pending.popleft(), self.policy, self.board)
+
+    def drain(self) -> None:
+        """Wait for every outstanding send (end of the step)."""
+        while self.pending:
+            wait(self.pending.popleft(), self.policy, self.board)

@@ -1,0 +1,234 @@
+"""The runtime against megatron-core's real schedules, on CPU over gloo.
+
+In one process per rank, the same model chunks run one step under Megatron's schedule and
+one under ours (``flow_forward_backward``, what the patched ``get_forward_backward_func``
+returns); losses and every gradient must be equal bit for bit.  Variable-length microbatches
+(no padding to a common length) run through our PP=2 and are compared with a single-process
+run of the whole model.  Three launches in all: the reference, PP=2 (every case), PP=4.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
+)
+
+VARLEN = (16, 9, 13, 5)  # sequence length of each microbatch
+
+
+def _batches(spec, lengths=None):
+    """The harness's batches, or one batch per length in ``lengths`` (same seed)."""
+    from megatron_cpu_harness import make_microbatches
+
+    if lengths is None:
+        return make_microbatches(spec)
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    out = []
+    for i, n in enumerate(lengths):
+        seq = torch.randint(0, spec.vocab_size, (spec.micro_batch_size, n + 1), generator=g)
+        out.append({"tokens": seq[:, :-1], "labels": seq[:, 1:],
+                    "position_ids": torch.arange(n).expand(spec.micro_batch_size, -1), "index": torch.tensor(i)})
+    return out
+
+
+def _forward_step(three_values=False, non_loss=False):
+    def loss_func(output, non_loss_data=False):
+        if non_loss_data:
+            return {"mean": output.detach().float().mean()}
+        if three_values:
+            total = output.float().sum()
+            return total, torch.tensor(output.numel(), dtype=torch.int), {"sum": total.detach().clone()}
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), loss_func
+
+    return forward_step
+
+
+def _step(schedule, chunks, iterators, spec, forward_only=False, three_values=False, non_loss=False):
+    """One step; returns (loss data, {chunk.param name: grad})."""
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    out = schedule(forward_step_func=_forward_step(three_values), data_iterator=iterators,
+                   model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=spec.num_microbatches,
+                   seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size, forward_only=forward_only,
+                   collect_non_loss_data=non_loss)
+    grads = {f"{i}.{n}": p.grad.clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()
+             if p.grad is not None}
+    return [{k: float(v) for k, v in d.items()} for d in out], grads
+
+
+def _diff(theirs, ours):
+    """(losses equal?, set of grad names equal?, max abs grad diff, number of grads)."""
+    (l1, g1), (l2, g2) = theirs, ours
+    worst = max((float((g1[k] - g2[k]).abs().max()) for k in g1 if k in g2), default=float("inf"))
+    return {"losses": l1 == l2, "n_losses": len(l2), "names": set(g1) == set(g2), "max_abs": worst,
+            "grads": len(g1), "nonzero": all(float(g.abs().sum()) > 0 for g in g1.values())}
+
+
+def _distinct(model, seed):
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+
+
+def _one_f_one_b_cases(rank, world_size, varlen_state):
+    """Worker: Megatron's 1F1B vs ours (2- and 3-value losses, forward only, non-loss data);
+    with PP=2 also interleaved and variable lengths."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron_cpu_harness import TinyGPTSpec, build_stage_model, megatron_parallel
+
+    from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
+
+    spec = TinyGPTSpec(num_microbatches=4)
+    megatron = schedules.forward_backward_pipelining_without_interleaving
+    out = {}
+    with megatron_parallel(pipeline_parallel_size=world_size):
+        model = build_stage_model(spec)
+        _distinct(model, spec.seed + rank)
+
+        def both(**kw):
+            return [_step(s, [model], iter(_batches(spec)), spec, **kw) for s in (megatron, flow_forward_backward)]
+
+        out["1f1b"] = _diff(*both())
+        out["1f1b-3value"] = _diff(*both(three_values=True))
+        theirs, ours = both(forward_only=True)
+        out["forward_only"] = {"losses": theirs[0] == ours[0], "n": len(ours[0]), "grads": len(ours[1])}
+        theirs, ours = both(forward_only=True, non_loss=True)
+        out["non_loss"] = {"equal": theirs[0] == ours[0], "n": len(ours[0])}
+        if varlen_state is not None:
+            from megatron_cpu_harness import build_stage_model as build
+
+            varlen = build(TinyGPTSpec(num_microbatches=len(VARLEN), seq_length=max(VARLEN)), varlen_state)
+            vspec = TinyGPTSpec(num_microbatches=len(VARLEN), seq_length=max(VARLEN))
+            out["varlen"] = _step(flow_forward_backward, [varlen], iter(_batches(vspec, VARLEN)), vspec)
+            from megatron_cpu_harness import global_name, layer_offset
+
+            offset = layer_offset(varlen)
+            out["varlen"] = (out["varlen"][0], {global_name(k[2:], offset): v for k, v in out["varlen"][1].items()})
+    if world_size == 2:
+        out["interleaved"] = _interleaved(world_size)
+    return out
+
+
+def _interleaved(world_size, chunks_per_rank=2):
+    """Megatron's interleaved schedule vs ours over two one-layer chunks per rank."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_cpu_harness import TinyGPTSpec, megatron_parallel
+
+    from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides
+    from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
+
+    spec = TinyGPTSpec(num_microbatches=4)
+    with megatron_parallel(world_size):
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(chunks_per_rank)
+        config = TransformerConfig(
+            num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+            ffn_hidden_size=spec.ffn_hidden_size, hidden_dropout=0.0, attention_dropout=0.0,
+            params_dtype=torch.float32, pipeline_dtype=torch.float32, pipeline_model_parallel_size=world_size,
+            virtual_pipeline_model_parallel_size=chunks_per_rank,
+            **cpu_safe_config_overrides(virtual_pipeline_model_parallel_size=chunks_per_rank))
+        takes_vp_stage = "vp_stage" in inspect.signature(GPTModel.__init__).parameters
+        chunks = []
+        for c in range(chunks_per_rank):
+            parallel_state.set_virtual_pipeline_model_parallel_rank(c)
+            vp = {"vp_stage": c} if takes_vp_stage else {}
+            torch.manual_seed(spec.seed + c)
+            chunks.append(GPTModel(
+                config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
+                max_sequence_length=spec.seq_length,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **vp),
+                share_embeddings_and_output_weights=False, **vp))
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+        runs = [_step(s, chunks, [iter(_batches(spec)) for _ in chunks], spec)
+                for s in (forward_backward_pipelining_with_interleaving, flow_forward_backward)]
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+    return _diff(*runs)
+
+
+def _varlen_reference(rank, world_size):
+    """Worker: the whole model, one process, Megatron's no-pipelining schedule (no p2p, so
+    any lengths), over the variable-length microbatches."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron_cpu_harness import TinyGPTSpec, build_stage_model, full_state_dict, megatron_parallel
+
+    spec = TinyGPTSpec(num_microbatches=len(VARLEN), seq_length=max(VARLEN))
+    with megatron_parallel(1):
+        model = build_stage_model(spec)
+        _distinct(model, spec.seed)
+        state = full_state_dict(model)
+        losses, grads = _step(forward_backward_no_pipelining, [model], iter(_batches(spec, VARLEN)), spec)
+    return state, losses, {k[2:]: v for k, v in grads.items()}
+
+
+@pytest.fixture(scope="module")
+def varlen_reference():
+    from megatron_cpu_harness import launch
+
+    (reference,) = launch(_varlen_reference, 1, timeout_s=240)
+    return reference
+
+
+@pytest.fixture(scope="module")
+def pp2(varlen_reference):
+    from megatron_cpu_harness import launch
+
+    return launch(_one_f_one_b_cases, 2, varlen_reference[0], timeout_s=300)
+
+
+def _exact(ranks, case):
+    """Same losses (the last stage has one per microbatch, the others none) and every
+    gradient equal, max abs difference 0."""
+    for i, rank in enumerate(ranks):
+        found = rank[case]
+        assert found["losses"] and found["names"] and found["nonzero"] and found["grads"] > 0, found
+        assert found["n_losses"] == (4 if i == len(ranks) - 1 else 0), found
+        assert found["max_abs"] == 0.0, found
+
+
+@pytest.mark.parametrize("case", ["1f1b", "1f1b-3value"])
+def test_1f1b_pp2_equals_megatron_bit_for_bit(pp2, case):
+    _exact(pp2, case)
+
+
+def test_interleaved_pp2_equals_megatron_bit_for_bit(pp2):
+    _exact(pp2, "interleaved")
+
+
+def test_forward_only_returns_megatrons_losses(pp2):
+    first, last = pp2
+    assert first["forward_only"] == {"losses": True, "n": 0, "grads": 0}
+    assert last["forward_only"] == {"losses": True, "n": 4, "grads": 0}
+    assert last["non_loss"] == {"equal": True, "n": 4} and first["non_loss"]["n"] == 0
+
+
+def test_variable_length_microbatches_equal_single_process(pp2, varlen_reference):
+    _, ref_losses, ref_grads = varlen_reference
+    losses = pp2[1]["varlen"][0]
+    grads = {**pp2[0]["varlen"][1], **pp2[1]["varlen"][1]}
+    assert [d["loss"] for d in losses] == pytest.approx([d["loss"] for d in ref_losses], rel=1e-6, abs=0)
+    assert set(grads) == set(ref_grads)
+    for name, expected in ref_grads.items():
+        torch.testing.assert_close(grads[name], expected, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_1f1b_pp4_equals_megatron_bit_for_bit():
+    from megatron_cpu_harness import launch
+
+    _exact(launch(_one_f_one_b_cases, 4, None, timeout_s=300), "1f1b")
