@@ -63,6 +63,9 @@ def add_flow_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help=f"memory pool backend; implies --flow-pool (default: {DEFAULT_POOL_BACKEND})")
     group.add_argument("--flow-allocator-plan", default=None, metavar="PLAN",
                        help="plan file (mindspeed-flow plan CONFIG --out PLAN) that --flow-allocator applies")
+    group.add_argument("--flow-schedule-config", default=None, metavar="PATH",
+                       help="YAML schedule layout (regions, skeletons, trainable bits, in-flight limits) that "
+                            "--flow-schedule runs (default: Megatron's own 1F1B / interleaved layout)")
     return parser
 
 
