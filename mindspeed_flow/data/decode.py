@@ -8,7 +8,7 @@ can count it, log it and apply the policy (skip or fail) in one place.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,25 @@ class Sample:
     @property
     def key(self) -> tuple[int, int]:
         return self.index, self.chunk
+
+
+TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "pixel_values", "image_grid_thw")
+
+
+def to_wire(item: "Sample | BadSample") -> "Sample | BadSample":
+    """Worker side: tensors as numpy arrays, so a sample crosses to the main process as one
+    pickled message instead of one shared-memory segment per tensor (measured faster
+    here, and the main process then joins ordinary memory, not freshly mapped pages)."""
+    if isinstance(item, BadSample):
+        return item
+    return replace(item, **{f: getattr(item, f).numpy() for f in TENSOR_FIELDS})
+
+
+def from_wire(item: "Sample | BadSample") -> "Sample | BadSample":
+    """Main side: the inverse of :func:`to_wire` (no copy)."""
+    if isinstance(item, BadSample) or torch.is_tensor(item.input_ids):
+        return item
+    return replace(item, **{f: torch.from_numpy(getattr(item, f)) for f in TENSOR_FIELDS})
 
 
 @dataclass

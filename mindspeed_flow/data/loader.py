@@ -37,7 +37,7 @@ from mindspeed_flow.packing import BestFitPacker, CostModel, dispatch
 
 from . import broadcast
 from .batch import collate_pack
-from .decode import BadSample, Decoder, Sample
+from .decode import BadSample, Decoder, Sample, from_wire, to_wire
 from .images import MAX_PIXELS, MIN_PIXELS
 from .overlong import POLICIES, OverlongPolicy, fit
 from .source import Corpus
@@ -53,8 +53,6 @@ RESUME_KEYS = ("dp_rank", "dp_size", "num_workers", "seed", "capacity", "window"
 Key = tuple[int, int]  # (record index, chunk)
 
 
-def _unbatched(item: Any) -> Any:
-    return item
 
 
 class FlowDataLoader:
@@ -184,7 +182,7 @@ class FlowDataLoader:
         with warnings.catch_warnings():  # torchdata 0.11 calls torch's deprecated set_vital
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             loader = StatefulDataLoader(stream, batch_size=None, num_workers=self.num_workers,
-                                        collate_fn=_unbatched, **extra)
+                                        collate_fn=to_wire, **extra)
         if self._stream_state is not None:
             loader.load_state_dict(self._stream_state)
         return loader
@@ -193,6 +191,7 @@ class FlowDataLoader:
         return self._live.state_dict() if self._live is not None else self._stream_state
 
     def _take(self, item: Sample | BadSample) -> None:
+        item = from_wire(item)
         self.stats.samples_seen += 1
         if isinstance(item, BadSample):
             self._bad(item.kind, item.index, item.sample_id, item.reason)
