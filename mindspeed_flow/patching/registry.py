@@ -14,6 +14,10 @@ Life of a target (``module:qualname``):
    (``from x import f``, ``__main__`` included) is pointed at the new object.
 4. ``remove()`` puts back the original object, and every module-level name bound to the
    patched object (rebound aliases, and copies taken after the swap) points at it again.
+   When another patcher wrapped ours in the meantime (MindSpeed's patch manager wraps
+   ``getattr(cls, name)``, which for our wrapper is a wrapt ``BoundFunctionWrapper``), its
+   wrapper stays and ours is unlinked from under it: the chain becomes what it would be
+   had we never patched.
 
 A target that is missing or whose parameters changed raises :class:`PatchError` naming the
 target, the expected and found signature and the upstream version, unless the patch is
@@ -222,7 +226,11 @@ class PatchRegistry:
     def _restore_target(self, target: str) -> None:
         applied = self._applied.pop(target)
         live = applied.live
-        if live.own:
+        current = vars(live.parent).get(live.attr)
+        if current is not applied.patched and _reaches(current, applied.patched) \
+                and _unlink(current, applied.patched, _as_seen_by_getattr(live)):
+            pass  # a foreign wrapper around ours stays; ours is gone from under it
+        elif live.own:
             setattr(live.parent, live.attr, live.raw)
         else:
             delattr(live.parent, live.attr)
@@ -271,18 +279,65 @@ def _swap_module_references(swaps: dict[int, tuple[Any, Any]], skip) -> list[tup
     return changed
 
 
+def _is_ours(obj: Any, ours: Any) -> bool:
+    """``obj`` is our wrapper, or the wrapt ``BoundFunctionWrapper`` that reading it from its
+    class (``getattr(cls, name)``, as MindSpeed's patch manager does) creates each time."""
+    if obj is ours:
+        return True
+    return isinstance(obj, wrapt.BoundFunctionWrapper) and obj._self_parent is ours
+
+
 def _reaches(obj: Any, wanted: Any, max_depth: int = 64) -> bool:
-    """Whether ``wanted`` is ``obj`` or lies along its ``__wrapped__`` chain."""
+    """Whether ``wanted`` (or a bound form of it) is ``obj`` or lies along its ``__wrapped__`` chain."""
     for _ in range(max_depth):
-        if obj is wanted:
+        if _is_ours(obj, wanted):
             return True
         obj = getattr(obj, "__func__", obj)  # a staticmethod / classmethod around a wrapper
-        if obj is wanted:
+        if _is_ours(obj, wanted):
             return True
         obj = getattr(obj, "__wrapped__", None)
         if obj is None:
             return False
     return False
+
+
+def _as_seen_by_getattr(live: LiveTarget) -> Any:
+    """What ``getattr(parent, attr)`` gave for the original: a foreign wrapper holds that."""
+    raw = live.raw
+    if isinstance(live.parent, type) and hasattr(raw, "__get__"):
+        return raw.__get__(None, live.parent)
+    return raw
+
+
+def _unlink(foreign: Any, ours: Any, original: Any, max_depth: int = 64) -> bool:
+    """Make the layer of ``foreign``'s chain that wraps ``ours`` wrap ``original`` instead.
+
+    A ``functools.wraps`` wrapper holds what it wraps in a closure cell and in
+    ``__wrapped__``; a wrapt wrapper in ``__wrapped__``.  Both are repointed.  Returns False
+    (nothing changed) when the layer keeps its reference somewhere else.
+    """
+    layer = foreign
+    for _ in range(max_depth):
+        inner = getattr(layer, "__wrapped__", None)
+        if inner is None:
+            return False
+        if _is_ours(inner, ours):
+            cells = [c for c in (getattr(layer, "__closure__", None) or ()) if _is_ours(_cell_value(c), ours)]
+            if not cells and not isinstance(layer, wrapt.ObjectProxy):
+                return False
+            for cell in cells:
+                cell.cell_contents = original
+            layer.__wrapped__ = original
+            return True
+        layer = inner
+    return False
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _single_replacement(patches: list[Patch]) -> Patch | None:

@@ -200,6 +200,26 @@ def unwrapped(model) -> list:
     return unwrap_model(model)
 
 
+def _first_tensor(output) -> torch.Tensor:
+    """A module's output, or the first element of a tuple output (a layer's hidden states)."""
+    tensor = output[0] if isinstance(output, (tuple, list)) else output
+    return tensor.detach().float().clone()
+
+
+def capture_outputs(model) -> dict[str, list[torch.Tensor]]:
+    """Forward outputs of the submodules named in the job's ``capture`` list, one entry per
+    call (per microbatch), to tell where two runs part ways."""
+    captured: dict[str, list[torch.Tensor]] = {}
+    for chunk in unwrapped(model):
+        modules = dict(chunk.named_modules())
+        for name in JOB.get("capture", []):
+            if name in modules:
+                captured[name] = []
+                modules[name].register_forward_hook(
+                    lambda module, args, output, key=name: captured[key].append(_first_tensor(output)))
+    return captured
+
+
 def rank_path(key: str) -> str:
     """The job's path for ``key`` with this process's rank filled in."""
     return JOB[key].format(rank=torch.distributed.get_rank())
@@ -216,7 +236,9 @@ def main() -> None:
             chunk.load_state_dict(state)
     if JOB.get("save"):
         torch.save([chunk.state_dict() for chunk in unwrapped(model)], rank_path("save"))
+    captured = capture_outputs(model)
     result = train_step(model)
+    torch.save(captured, rank_path("captures"))
     torch.save(gradients(model), rank_path("grads"))
     result["attention_chain"] = attention_chain()
     from mindspeed_flow.activation import current_registry

@@ -22,18 +22,13 @@ Usage from a test (this folder is on ``sys.path`` under pytest)::
 still bf16 as upstream hard-codes them; ``"bf16"``: upstream's own ``--bf16`` setting),
 ``--use-flash-attn``, the pipeline size (``pp=2`` runs two gloo processes under
 torchrun) and extra upstream flags.  ``upstream_sources()`` alone gives the unpacked
-checkouts (``doctor --src`` tests); ``upstream_env()`` the environment a subprocess needs.
-
-Environment overrides: ``MINDSPEED_FLOW_SHARED`` (the shared folder, default
-``<repo>/../shared``), ``MINDSPEED_FLOW_UPSTREAM_CACHE`` (where sources are unpacked, default
-``~/.cache/mindspeed-flow/upstream``).
+checkouts (``doctor --src`` tests, from ``tests/pinned_upstream.py``); ``upstream_env()``
+the environment a subprocess needs.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import json
 import os
 import socket
@@ -46,58 +41,16 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+if str(HERE.parent) not in sys.path:  # tests/: pinned_upstream, when used outside pytest
+    sys.path.insert(0, str(HERE.parent))
+from pinned_upstream import Sources, upstream_sources  # noqa: E402
 STANDINS = HERE / "standins"
 DRIVER = HERE / "driver.py"
 TINY_MODEL = HERE / "tiny_qwen2_5vl.json"
 RUN_TIMEOUT_S = 300
-
-
-@dataclass(frozen=True)
-class Sources:
-    """The unpacked pinned upstream checkouts (MindSpeed-MM holds Megatron's copy)."""
-
-    megatron_lm: Path
-    mindspeed: Path
-    mindspeed_mm: Path
-
-    def env(self) -> dict[str, str]:
-        return {"MEGATRON_LM_SRC": str(self.megatron_lm), "MINDSPEED_SRC": str(self.mindspeed),
-                "MINDSPEED_MM_SRC": str(self.mindspeed_mm)}
-
-
-def shared_dir() -> Path:
-    return Path(os.environ.get("MINDSPEED_FLOW_SHARED", REPO.parent / "shared")).resolve()
-
-
-def _archives_key(upstream: Path) -> str:
-    """Names and sizes of the archives: a new pin unpacks into a new folder."""
-    entries = sorted(f"{p.name}:{p.stat().st_size}" for p in upstream.iterdir() if p.is_file())
-    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:12]
-
-
-@functools.lru_cache(maxsize=1)
-def upstream_sources() -> Sources:
-    """Unpack the pinned sources once (``shared/upstream/unpack.sh``) and return them."""
-    upstream = shared_dir() / "upstream"
-    script = upstream / "unpack.sh"
-    if not script.is_file():
-        raise FileNotFoundError(
-            f"{script} not found: the pinned upstream sources live in the shared folder beside "
-            f"the repository; set MINDSPEED_FLOW_SHARED to it")
-    cache = Path(os.environ.get("MINDSPEED_FLOW_UPSTREAM_CACHE",
-                                Path.home() / ".cache" / "mindspeed-flow" / "upstream"))
-    target = cache / _archives_key(upstream)
-    target.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f"{target.name}.lock", "w") as lock:  # parallel sessions unpack once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = subprocess.run(["bash", str(script), str(target)], capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{script} {target} failed ({proc.returncode}):\n{proc.stderr}")
-    exported = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.split()
-                    if "=" in line)
-    return Sources(Path(exported["MEGATRON_LM_SRC"]), Path(exported["MINDSPEED_SRC"]),
-                   Path(exported["MINDSPEED_MM_SRC"]))
+# The features that patch upstream model code (what --use-flowtrain brings to these runs;
+# named one by one so that features needing their own inputs, e.g. an allocator plan, stay off).
+PATCH_FEATURE_FLAGS = ("--flow-fused-attn", "--flow-conv-matmul")
 
 
 def upstream_env(sources: Sources, scratch: Path) -> dict[str, str]:
@@ -131,6 +84,7 @@ class Job:
     flash_attn: bool = False
     pp: int = 1
     extra_args: tuple[str, ...] = ()
+    capture: tuple[str, ...] = ()  # submodule names whose forward outputs the run saves
 
     def model_json(self) -> dict:
         model = json.loads(TINY_MODEL.read_text())
@@ -190,6 +144,10 @@ class UpstreamRun:
     def loss(self) -> float:
         return self.result["loss"]
 
+    def captures(self, rank: int = 0) -> dict[str, list[torch.Tensor]]:
+        """Forward outputs of the ``Job.capture`` submodules on ``rank``, one per call."""
+        return torch.load(self.workdir / f"captures_{rank}.pt", weights_only=True)
+
     @functools.cached_property
     def grads(self) -> dict[str, torch.Tensor]:
         """Gradients of every rank, keyed ``"rank<r>:<parameter name>"``."""
@@ -207,7 +165,7 @@ def _free_port() -> int:
 
 
 def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | None = None,
-                 save_initial: bool = True, extra_plugin_flags: tuple[str, ...] = ("--use-flowtrain",)) -> UpstreamRun:
+                 save_initial: bool = True, extra_plugin_flags: tuple[str, ...] = PATCH_FEATURE_FLAGS) -> UpstreamRun:
     """Run ``driver.py`` once under ``job``; with ``plugin`` through ``mindspeed_flow.launch``
     plus ``extra_plugin_flags``.  Raises with the child's output when it fails."""
     sources = upstream_sources()
@@ -217,6 +175,7 @@ def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | Non
     ranks = range(job.pp)
     spec = {"samples": job.samples, "layout": job.layout,
             "result": str(workdir / "result_{rank}.json"), "grads": str(workdir / "grads_{rank}.pt"),
+            "captures": str(workdir / "captures_{rank}.pt"), "capture": list(job.capture),
             "load": str(load) if load else None,
             "save": str(workdir / "initial_{rank}.pt") if save_initial else None}
     (workdir / "job.json").write_text(json.dumps(spec))

@@ -53,7 +53,8 @@ def _visible(sq: int, skv: int, atten_mask: Optional[torch.Tensor], sparse_mode:
              pre_tockens: int, next_tockens: int, device: torch.device) -> torch.Tensor:
     """Boolean ``[.., sq, skv]``: True where query i may attend key j.
 
-    mode 0 (defaultMask): the given mask (True = masked) and the band
+    mode 0 (defaultMask): without a mask nothing is masked and pre/next_tockens are
+    ignored; with one, the mask (True = masked) and the band
     ``i - pre_tockens <= j <= i + next_tockens``; modes 2 / 3 (left-up / right-down causal):
     causal from the top-left / bottom-right corner, the mask's content is ignored (it is
     the compressed 2048 x 2048 triangle); mode 4 (band): the band, right-down aligned.
@@ -61,14 +62,13 @@ def _visible(sq: int, skv: int, atten_mask: Optional[torch.Tensor], sparse_mode:
     i = torch.arange(sq, device=device).unsqueeze(1)
     j = torch.arange(skv, device=device).unsqueeze(0)
     if sparse_mode == 0:
-        keep = (j >= i - pre_tockens) & (j <= i + next_tockens)
-        if atten_mask is not None:
-            mask = atten_mask.to(torch.bool)
-            if mask.shape[-2:] != (sq, skv):
-                raise ValueError(f"npu_fusion_attention stand-in: atten_mask {tuple(mask.shape)} "
-                                 f"does not end in ({sq}, {skv}) under sparse_mode 0")
-            keep = keep & ~mask
-        return keep
+        if atten_mask is None:
+            return torch.ones(sq, skv, dtype=torch.bool, device=device)
+        mask = atten_mask.to(torch.bool)
+        if mask.shape[-2:] != (sq, skv):
+            raise ValueError(f"npu_fusion_attention stand-in: atten_mask {tuple(mask.shape)} "
+                             f"does not end in ({sq}, {skv}) under sparse_mode 0")
+        return (j >= i - pre_tockens) & (j <= i + next_tockens) & ~mask
     shift = skv - sq  # right-down alignment
     if sparse_mode == 2:
         return j <= i
