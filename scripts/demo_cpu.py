@@ -7,8 +7,11 @@
    packs dispatched by cost over 8 DP ranks x 8 microbatches, against round-robin.
 4. Fused varlen attention: a packed batch through megatron-core's GPTModel with the
    fused_attn patch enabled, against the same samples run one by one.
-5. Schedules: Megatron-style, DistTrain-like, Mpipe <transpose, 1f1b> and FlowTrain
-   decoupled, simulated at 72B / 512-device scale, with one Gantt chart each.
+5. Schedules: Megatron-style (best split), DistTrain-like, Mpipe <transpose, 1f1b> in its
+   orders (ready / the public code's prefix, owner / recompute backward), <transpose, zb-h1>
+   and FlowTrain decoupled, simulated at 72B / 512-device scale, with one Gantt chart each.
+   The table's step times are means over the config's simulated steps (seeds); each chart
+   draws the first of them (seed 0) and its title gives both.
 
 Nothing here is canned: every number printed is computed in this run.  Charts go to
 ``outputs/demo/``.  Megatron's tiny-GPT harness lives with the tests (``tests/``), which is
@@ -117,7 +120,7 @@ def demo_schedules(charts: Path) -> None:
     config = load(ROOT / "configs/sim/vlm_72b_e2e.yaml")
     rows = run(config, charts)
     print(format_table(config.get("name", "vlm_72b_e2e"), rows))
-    print(f"Gantt charts: {charts}/")
+    print(f"Gantt charts: {charts}/ (seed 0 of {config.get('seeds', 1)}: one sampled step, not the mean above)")
 
 
 def main() -> int:
