@@ -136,3 +136,81 @@ def _grad_sync_held(config: Any, forward_only: bool):
     finally:
         for i in list(open_):
             contexts[i].__exit__(None, None, None)
+
+
+# --------------------------------------------------------------------------- the patch
+
+# (feature of another patch set that swaps the same schedule, how to see it in ``args``)
+CONFLICTS: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("MindSpeed DualPipeV (--schedules-method dualpipev)",
+     lambda a: getattr(a, "schedules_method", None) == "dualpipev"),
+    ("MindSpeed RiPipe (--recompute-in-bubble / --recompute-in-advance)",
+     lambda a: bool(getattr(a, "recompute_in_bubble", False) or getattr(a, "recompute_in_advance", False))),
+    ("MindSpeed --variable-seq-lengths (patches p2p _communicate)",
+     lambda a: bool(getattr(a, "variable_seq_lengths", False))),
+    ("MindSpeed-MM --hetero-parallel (its own get_forward_backward_func)",
+     lambda a: bool(getattr(a, "hetero_parallel", False))),
+)
+FEATURE = "mindspeed-flow schedule (--flow-schedule)"
+
+
+class ScheduleConflict(RuntimeError):
+    """Another feature swaps the same schedule: the job must not run under the wrong one."""
+
+
+def check_conflicts(args: Any) -> None:
+    """Refuse to start when a feature that replaces the same functions is on."""
+    active = [name for name, is_on in CONFLICTS if is_on(args)]
+    if active:
+        raise ScheduleConflict(
+            f"{FEATURE} cannot run together with {', '.join(active)}: both replace Megatron's "
+            "pipeline schedule; turn one of them off")
+
+
+def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None:
+    """The layout ``--flow-schedule-config`` names (``None``: Megatron's own).  A file with
+    ``vlm: {transpose: true, ...}`` instead of ``regions:`` derives it from MindSpeed-MM's
+    ``vision_encoder`` / ``text_decoder`` ``pipeline_num_layers``."""
+    path = getattr(args, "flow_schedule_config", None)
+    if not path:
+        return None
+    import yaml
+
+    from mindspeed_flow.runtime.layout import load_layout, vlm_layout
+
+    doc = yaml.safe_load(open(path)) or {}
+    if isinstance(doc, dict) and "vlm" in doc:
+        model = getattr(getattr(args, "mm", None), "model", None)
+        try:
+            vision = model.image_encoder.vision_encoder.pipeline_num_layers
+            text = model.text_decoder.pipeline_num_layers
+        except AttributeError:
+            raise ValueError(f"{path}: `vlm:` needs MindSpeed-MM's model config (args.mm.model with "
+                             "image_encoder.vision_encoder and text_decoder pipeline_num_layers)") from None
+        options = dict(doc["vlm"] or {})
+        return lambda stages, chunks: vlm_layout(vision, text, **options)
+    return lambda stages, chunks: load_layout(path, stages)
+
+
+def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """After Megatron validated its arguments: refuse conflicting features, load the layout
+    (so a bad file fails at start-up, naming itself)."""
+    result = wrapped(*args, **kwargs)
+    parsed = args[0] if args else kwargs.get("args")
+    check_conflicts(parsed)
+    layout = layout_from_args(parsed)
+    if layout is not None:
+        stages = getattr(parsed, "pipeline_model_parallel_size", 1) or 1
+        layout(stages, 1)
+    configure(layout, SETTINGS.options)
+    return result
+
+
+def get_forward_backward_func_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Callable:
+    """Our runtime instead of Megatron's schedule; Megatron's own when there is nothing to
+    schedule (one pipeline stage and no layout configured)."""
+    from megatron.core import parallel_state
+
+    if SETTINGS.layout is None and parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return wrapped(*args, **kwargs)
+    return flow_forward_backward

@@ -55,14 +55,14 @@ def _forward_step(three_values=False, non_loss=False):
     return forward_step
 
 
-def _step(schedule, chunks, iterators, spec, forward_only=False, three_values=False, non_loss=False):
+def _step(schedule, chunks, iterators, spec, forward_only=False, three_values=False, non_loss=False, **newer):
     """One step; returns (loss data, {chunk.param name: grad})."""
     for c in chunks:
         c.zero_grad(set_to_none=True)
     out = schedule(forward_step_func=_forward_step(three_values), data_iterator=iterators,
                    model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=spec.num_microbatches,
                    seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size, forward_only=forward_only,
-                   collect_non_loss_data=non_loss)
+                   collect_non_loss_data=non_loss, **newer)
     grads = {f"{i}.{n}": p.grad.clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()
              if p.grad is not None}
     return [{k: float(v) for k, v in d.items()} for d in out], grads
@@ -117,9 +117,36 @@ def _one_f_one_b_cases(rank, world_size, varlen_state):
 
             offset = layer_offset(varlen)
             out["varlen"] = (out["varlen"][0], {global_name(k[2:], offset): v for k, v in out["varlen"][1].items()})
+        if world_size == 2:
+            out.update(_patched(model, spec, megatron))
     if world_size == 2:
         out["interleaved"] = _interleaved(world_size)
     return out
+
+
+def _patched(model, spec, megatron):
+    """With feature ``schedule`` on, Megatron's getter (package re-export and module) hands
+    out our function, which ignores newer keywords and equals Megatron; off again, Megatron's."""
+    import megatron.core.pipeline_parallel as package
+    from megatron.core.pipeline_parallel import schedules
+
+    from mindspeed_flow.activation import deactivate
+    from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
+    from mindspeed_flow.patches import activate
+
+    activate(["--flow-schedule"], environ={})
+    try:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        ours = get_forward_backward_func()
+        found = {"ours": ours is flow_forward_backward and package.get_forward_backward_func() is ours
+                 and schedules.get_forward_backward_func() is ours}
+        runs = [_step(megatron, [model], iter(_batches(spec)), spec),
+                _step(ours, [model], iter(_batches(spec)), spec, adjust_tensor_shapes_fn=None)]
+    finally:
+        deactivate()
+    found["restored"] = schedules.get_forward_backward_func() is megatron
+    return {"patched": found, "patched_run": _diff(*runs)}
 
 
 def _interleaved(world_size, chunks_per_rank=2):
@@ -209,6 +236,12 @@ def test_1f1b_pp2_equals_megatron_bit_for_bit(pp2, case):
 
 def test_interleaved_pp2_equals_megatron_bit_for_bit(pp2):
     _exact(pp2, "interleaved")
+
+
+def test_patched_getter_returns_the_runtime_and_changes_no_number(pp2):
+    for rank in pp2:
+        assert rank["patched"] == {"ours": True, "restored": True}
+    _exact(pp2, "patched_run")
 
 
 def test_forward_only_returns_megatrons_losses(pp2):

@@ -1,0 +1,32 @@
+"""Feature ``schedule`` (``--flow-schedule``, layout from ``--flow-schedule-config``): Megatron's
+``get_forward_backward_func()`` returns the mindspeed-flow runtime running a composed plan
+(:mod:`mindspeed_flow.adapters.megatron_core_schedule`).  Without a layout it runs Megatron's
+own 1F1B / interleaved order, so turning it on changes no number; features that swap the
+same schedule (DualPipeV, RiPipe, ``--variable-seq-lengths``, ``--hetero-parallel``) are
+refused when arguments are validated.
+"""
+
+from mindspeed_flow.adapters import megatron_core_schedule
+from mindspeed_flow.patching import Patch
+
+FEATURE = "schedule"
+
+PATCHES = [
+    Patch(
+        feature=FEATURE,
+        target="megatron.core.pipeline_parallel.schedules:get_forward_backward_func",
+        wrapper=megatron_core_schedule.get_forward_backward_func_wrapper,
+        params="",
+        checked=("megatron-core 0.12.3", "megatron-core 0.16.1", "Megatron-LM core_r0.12.1"),
+        description="run the composed schedule: our runtime behind Megatron's forward_backward_func",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.arguments:validate_args",
+        wrapper=megatron_core_schedule.validate_args_wrapper,
+        params="args, defaults",
+        checked=("Megatron-LM core_r0.12.1",),
+        order=5,
+        description="refuse features that swap the same schedule; load --flow-schedule-config at start-up",
+    ),
+]
