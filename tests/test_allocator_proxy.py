@@ -9,7 +9,8 @@ import pytest
 
 from mindspeed_flow.allocator import (AllocatorError, ClusterSpec, ModuleSpec, Profile, ProfilePoint,
                                       ProxyModel, Workload)
-from mindspeed_flow.schedule import CostTable, OneFOneB, Region, RegionCost, compose, simulate, validate
+from mindspeed_flow.allocator.pipeline import backbone_layout, composed, pipeline_step, steady_line
+from mindspeed_flow.schedule import CostTable, Link, OneFOneB, Region, RegionCost, compose, simulate, validate
 
 from test_allocator_solve import synthetic_profile
 
@@ -55,13 +56,27 @@ def test_bubble_and_step_are_the_simulators(proxy, tp, pp, mbs, dp):
 
 
 def test_long_steps_extend_the_simulated_line_exactly(proxy):
-    """Beyond the cap the proxy extends two simulated steps; simulating all of them agrees."""
-    for pp, microbatches in ((2, 40), (4, 33), (6, 64)):
+    """From ``pp`` microbatches on the proxy reads steps off a simulated line; simulating
+    all of them agrees."""
+    for pp, microbatches in ((2, 40), (4, 5), (4, 33), (6, 64), (8, 9)):
         extended = proxy.pipeline(BACKBONE, 2, pp, 1, microbatches)
         direct = _simulated_directly(proxy, 2, pp, 1, microbatches)
         assert extended.step_time == pytest.approx(direct.step_time, rel=1e-12)
         assert extended.bubble_fraction == pytest.approx(direct.bubble_fraction, rel=1e-9)
         assert extended.peak_live == tuple(direct.peak_live[r] for r in sorted(direct.peak_live))
+
+
+def test_transfer_bound_pipelines_are_simulated_in_full():
+    """Half-second transfers between 1.6 s stages: no per-microbatch rhythm, so the line
+    check fails and every step is the full simulation."""
+    layout = backbone_layout(48, 8, True)
+    costs = (RegionCost(forward=1.6, backward_ratio=2.1, output_bytes=1e6),
+             RegionCost(forward=0.3, backward_ratio=1.8, output_bytes=1e6))
+    link = Link(0.5, 1e6)
+    assert steady_line(layout, costs, link) is None
+    for microbatches in (8, 19, 26):
+        direct = simulate(composed(layout, microbatches), CostTable(dict(zip(("layers", "head"), costs)), link=link))
+        assert pipeline_step(layout, microbatches, costs, link).step_time == pytest.approx(direct.step_time, rel=1e-12)
 
 
 def test_rates_respond_to_tp_communication_dp_reduction_and_memory(proxy):

@@ -13,7 +13,8 @@ misses by, when it breaks:
 - ``memory``: the fullest device must fit (``memory.py``, activations from the simulator).
 
 The replica counts tried are the divisors of the global batch (over the micro batch) that
-fit the budget, which is every count the batch rule allows.
+fit the budget, which is every count the batch rule allows.  Backbone candidates are
+simulated lazily (:class:`BackbonePool`): the simulation is the expensive part.
 """
 
 from __future__ import annotations
@@ -104,9 +105,59 @@ def encoder_candidates(spec: ModuleSpec, cluster: ClusterSpec, workload: Workloa
     return out
 
 
-def backbone_candidates(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
-                        rejections: list[Rejection]) -> list[BackboneEstimate]:
-    out = []
+@dataclass(frozen=True)
+class PendingBackbone:
+    """A backbone config that passed every cheap check, with its rate's upper bound."""
+
+    tp: int
+    pp: int
+    micro_batch: int
+    dp: int
+    bound: float
+
+
+class BackbonePool:
+    """Backbone candidates, simulated lazily in order of their rate bound.
+
+    The MILP never needs a backbone whose rate cannot reach the throughput of a plan
+    already found (it could not be part of any plan as good, see :func:`.solve.solve`), so
+    candidates are simulated best bound first, only as far as a solve asks.
+    """
+
+    def __init__(self, spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
+                 pending: list[PendingBackbone], rejections: list[Rejection]) -> None:
+        self.spec, self.cluster, self.workload, self.proxy = spec, cluster, workload, proxy
+        self.pending = sorted(pending, key=lambda p: -p.bound)
+        self.evaluated: list[BackboneEstimate] = []
+        self.rejections = rejections
+
+    def expand(self, threshold: float) -> int:
+        """Simulate every pending candidate whose bound reaches ``threshold``; returns how
+        many fit in memory (and joined :attr:`evaluated`)."""
+        added = 0
+        while self.pending and self.pending[0].bound >= threshold:
+            p = self.pending.pop(0)
+            est = self.proxy.backbone(self.spec, self.workload, p.tp, p.pp, p.micro_batch, p.dp)
+            if est.memory.total > self.cluster.memory_limit:
+                self.rejections.append(Rejection("backbone", f"tp {p.tp} pp {p.pp} mbs {p.micro_batch} dp {p.dp}",
+                                                 "memory", est.memory.total, self.cluster.memory_limit, "GiB"))
+                continue
+            self.evaluated.append(est)
+            added += 1
+        return added
+
+    def expand_first(self, count: int) -> int:
+        """Simulate the ``count`` candidates with the best bounds (a first set to solve)."""
+        if not self.pending:
+            return 0
+        return self.expand(self.pending[min(count, len(self.pending)) - 1].bound)
+
+
+def backbone_pool(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
+                  rejections: list[Rejection]) -> BackbonePool:
+    """Backbone configs after the cheap checks (memory with one microbatch per stage, which
+    only ever underestimates), none simulated yet."""
+    pending = []
     pp_choices = workload.pp_choices or tuple(divisors(spec.layers))
     for tp in workload.tp_choices:
         bad = _tp_rejection("backbone", spec, tp, cluster)
@@ -126,21 +177,20 @@ def backbone_candidates(spec: ModuleSpec, cluster: ClusterSpec, workload: Worklo
                 units = workload.global_batch // mbs
                 for dp in _replicas("backbone", config, tp * pp, units, cluster, rejections):
                     floor = proxy.backbone_memory(spec, workload, tp, pp, mbs, dp)
-                    if floor.total > cluster.memory_limit:  # skip the simulation
+                    if floor.total > cluster.memory_limit:
                         rejections.append(Rejection("backbone", f"{config} dp {dp}", "memory", floor.total,
                                                     cluster.memory_limit, "GiB", at_least=True))
                         continue
-                    est = proxy.backbone(spec, workload, tp, pp, mbs, dp)
-                    if est.memory.total > cluster.memory_limit:
-                        rejections.append(Rejection("backbone", f"{config} dp {dp}", "memory", est.memory.total,
-                                                    cluster.memory_limit, "GiB"))
-                        continue
-                    out.append(est)
-    return out
+                    pending.append(PendingBackbone(tp, pp, mbs, dp,
+                                                   proxy.backbone_rate_bound(spec, workload, tp, pp, mbs, dp)))
+    return BackbonePool(spec, cluster, workload, proxy, pending, rejections)
 
 
 def candidates(encoder: ModuleSpec, backbone: ModuleSpec, cluster: ClusterSpec, workload: Workload,
-               proxy: ProxyModel) -> CandidateSet:
+               proxy: ProxyModel) -> tuple[CandidateSet, BackbonePool]:
+    """Every encoder candidate, and the backbone pool (its :attr:`~BackbonePool.evaluated`
+    list is the candidate set's ``backbones``, growing as the pool expands)."""
     rejections: list[Rejection] = []
-    return CandidateSet(encoder_candidates(encoder, cluster, workload, proxy, rejections),
-                        backbone_candidates(backbone, cluster, workload, proxy, rejections), rejections)
+    encoders = encoder_candidates(encoder, cluster, workload, proxy, rejections)
+    pool = backbone_pool(backbone, cluster, workload, proxy, rejections)
+    return CandidateSet(encoders, pool.evaluated, rejections), pool

@@ -8,11 +8,12 @@ LM head (the head on the last stage, like Megatron's output layer), or, for the
 Megatron-style baseline, the ViT, the layers and the head with the ViT inside stage 0.
 
 Composed plans are cached per (layout, microbatches); simulated steps per (layout,
-microbatches, costs).  Long steps are not composed in full: once every stage is in its
-steady state a 1F1B step grows by the same amount per extra microbatch, so the step of
-``m`` microbatches is read off two simulated steps (``cap`` and ``cap + stages``
-microbatches) and extended along their line.  The tests check this against simulating
-all ``m`` microbatches.
+microbatches, costs).  Long steps are not composed in full: from ``stages`` microbatches
+on, a compute-bound 1F1B step grows by the same amount per extra microbatch, so the step of
+``m >= stages`` microbatches is read off the line through the simulated steps at
+``stages`` and ``2 stages`` microbatches, once a third simulated step (``3 stages``)
+confirms the line; otherwise all ``m`` are simulated.  The tests check this against
+simulating all ``m`` microbatches, compute-bound and transfer-bound.
 """
 
 from __future__ import annotations
@@ -76,23 +77,47 @@ def simulated(layout: PipelineLayout, microbatches: int, costs: tuple[RegionCost
                         tuple(result.peak_live[r] for r in sorted(result.peak_live)))
 
 
-def steady_state_cap(stages: int) -> int:
-    """Microbatches simulated in full before a step is extended along its line."""
-    return stages + 1
+TRANSFER_SHARE = 0.05  # transfers below this share of a stage's forward: compute-bound
+
+
+def steady_line(layout: PipelineLayout, costs: tuple[RegionCost, ...],
+                link: Link) -> tuple[PipelineStep, PipelineStep] | None:
+    """Simulated steps at ``stages`` and ``2 stages`` microbatches when the step grows
+    linearly from there, else None.  Only a compute-bound pipeline (every transfer under
+    ``TRANSFER_SHARE`` of the lightest stage's forward) is read off a line, and the line is
+    checked against a third simulated step (``3 stages``); a transfer-bound pipeline need
+    not settle into a per-microbatch rhythm and is simulated in full."""
+    stages = layout.stages
+    total = sum(layers for _, layers, _ in layout.regions)
+    per_layer = [cost.forward / layers for (_, layers, _), cost in zip(layout.regions, costs)]
+    lightest, start = float("inf"), 0
+    for count in layout.split:  # a stage's forward: its layers, at their region's per-layer time
+        seconds, taken, position = 0.0, 0, start
+        for (_, layers, _), rate in zip(layout.regions, per_layer):
+            overlap = max(0, min(position + count, taken + layers) - max(position, taken))
+            seconds += overlap * rate
+            taken += layers
+        lightest, start = min(lightest, seconds), start + count
+    if start != total or max(link.seconds(c.output_bytes) for c in costs) > TRANSFER_SHARE * lightest:
+        return None
+    near, far, check = (simulated(layout, k * stages, costs, link) for k in (1, 2, 3))
+    busy = [(1 - s.bubble_fraction) * s.step_time for s in (near, far, check)]
+    if abs(2 * far.step_time - near.step_time - check.step_time) > 1e-9 * check.step_time \
+            or abs(2 * busy[1] - busy[0] - busy[2]) > 1e-9 * busy[2]:
+        return None
+    return near, far
 
 
 def pipeline_step(layout: PipelineLayout, microbatches: int, costs: tuple[RegionCost, ...],
                   link: Link) -> PipelineStep:
-    """The step of ``microbatches`` microbatches: simulated, or extended beyond the cap."""
+    """The step of ``microbatches`` microbatches: simulated, or read off the steady line."""
     stages = layout.stages
-    cap = steady_state_cap(stages)
-    if microbatches <= cap + stages:
+    line = steady_line(layout, costs, link) if microbatches >= stages else None
+    if line is None:
         return simulated(layout, microbatches, costs, link)
-    near = simulated(layout, cap, costs, link)
-    far = simulated(layout, cap + stages, costs, link)
-    extra = microbatches - (cap + stages)
-    step = far.step_time + extra * (far.step_time - near.step_time) / stages
-    busy = (1 - far.bubble_fraction) * far.step_time  # mean busy seconds per rank
-    busy_per_microbatch = (busy - (1 - near.bubble_fraction) * near.step_time) / stages
-    busy += extra * busy_per_microbatch
+    near, far = line
+    extra = microbatches - stages
+    step = near.step_time + extra * (far.step_time - near.step_time) / stages
+    busy_near = (1 - near.bubble_fraction) * near.step_time  # mean busy seconds per rank
+    busy = busy_near + extra * ((1 - far.bubble_fraction) * far.step_time - busy_near) / stages
     return PipelineStep(step, 1 - busy / step, far.peak_live)

@@ -153,12 +153,32 @@ class ProxyModel:
                  dp: int) -> BackboneEstimate:
         microbatches = workload.global_batch // (dp * micro_batch)
         sim = self.pipeline(spec, tp, pp, micro_batch, microbatches)
-        split = uniform_split(spec.layers, pp)
-        stage_params = split[0] * spec.layer_params + spec.vocab * spec.hidden * (2 if pp == 1 else 1)
-        step = sim.step_time + (self.gradient_reduce_seconds(stage_params, tp, dp) if spec.trainable else 0.0)
+        step = sim.step_time + self._gradient_reduce(spec, tp, pp, dp)
         mem = self.backbone_memory(spec, workload, tp, pp, micro_batch, dp, sim.peak_live)
-        return BackboneEstimate(tp, pp, micro_batch, dp, split, microbatches, step,
+        return BackboneEstimate(tp, pp, micro_batch, dp, uniform_split(spec.layers, pp), microbatches, step,
                                 sim.bubble_fraction, workload.global_batch / step, mem)
+
+    def _gradient_reduce(self, spec: ModuleSpec, tp: int, pp: int, dp: int) -> float:
+        """The gradient reduce of the largest stage (the first: embedding; or the last: head)."""
+        if not spec.trainable:
+            return 0.0
+        stage_params = spec.layers // pp * spec.layer_params + spec.vocab * spec.hidden * (2 if pp == 1 else 1)
+        return self.gradient_reduce_seconds(stage_params, tp, dp)
+
+    def backbone_rate_bound(self, spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int,
+                            dp: int) -> float:
+        """An upper bound on :meth:`backbone`'s rate without simulating: no step is shorter
+        than the busiest rank's compute (the last stage: its layers and the head, for every
+        microbatch) plus the gradient reduce, whatever the bubble."""
+        layers = self.region_cost("backbone", spec, tp, micro_batch, spec.layers)
+        head = self.head_cost(spec, tp, micro_batch)
+
+        def per_microbatch(cost: RegionCost, share: float) -> float:
+            return cost.forward * share * (1 + (cost.backward_ratio if spec.trainable else 0.0))
+
+        busiest = per_microbatch(layers, (spec.layers // pp) / spec.layers) + per_microbatch(head, 1.0)
+        microbatches = workload.global_batch // (dp * micro_batch)
+        return workload.global_batch / (microbatches * busiest + self._gradient_reduce(spec, tp, pp, dp))
 
     @staticmethod
     def backbone_memory(spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int, dp: int,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .candidates import CandidateSet, candidates
+from .candidates import BackbonePool, CandidateSet, candidates
 from .diagnose import InfeasibleError, diagnose
 from .milp import AllocationMilp, Choice
 from .plan import BackboneConfig, EncoderConfig, Plan, Prediction
@@ -35,6 +35,31 @@ def to_plan(found: CandidateSet, choice: Choice, model: ModelSpec, proxy: ProxyM
     )
 
 
+FIRST_SIMULATED = 16  # backbone candidates simulated before the first solve
+BOUND_SLACK = 1e-6  # relative: well above the MILP's lexicographic tolerance
+
+
+def _solve_lazily(found: CandidateSet, pool: BackbonePool, budget: int,
+                  excluded_shapes: list[tuple[int, int, int]]) -> Choice | None:
+    """The MILP optimum over all backbone candidates, simulating only those that could be
+    part of it: after each solve with throughput ``T``, every pending candidate whose rate
+    bound reaches ``T`` is simulated and the MILP solved again.  When none is left, the
+    pending ones consume less than ``T`` and can be in no plan as good (nor, with ``T``
+    fixed, in the mismatch and device stages)."""
+    while True:
+        choice = None
+        if found.encoders and found.backbones:
+            milp = build_milp(found, budget)
+            banned = [j for j, b in enumerate(found.backbones) if (b.tp, b.pp, b.micro_batch) in excluded_shapes]
+            if len(banned) < len(found.backbones):
+                if banned:
+                    milp.exclude_backbone(banned)
+                choice = milp.solve()
+        threshold = choice.throughput * (1 - BOUND_SLACK) if choice else 0.0
+        if pool.expand(threshold) == 0 and (choice is not None or not pool.pending):
+            return choice
+
+
 def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, workload: Workload) -> Plan:
     """The plan that maximises global throughput (the smaller of encoder production and
     backbone consumption, samples/s), then minimises their mismatch, then the devices used;
@@ -42,20 +67,18 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
 
     Raises :class:`~.diagnose.InfeasibleError` naming the binding constraint.
     """
-    found = candidates(model_spec.encoder, model_spec.backbone, cluster_spec, workload, proxy)
-    if not found.encoders or not found.backbones:
-        raise InfeasibleError(diagnose(found, cluster_spec))
-    milp = build_milp(found, cluster_spec.devices)
-    choice = milp.solve()
+    found, pool = candidates(model_spec.encoder, model_spec.backbone, cluster_spec, workload, proxy)
+    pool.expand_first(FIRST_SIMULATED)
+    excluded: list[tuple[int, int, int]] = []
+    choice = _solve_lazily(found, pool, cluster_spec.devices, excluded)
     if choice is None:
         raise InfeasibleError(diagnose(found, cluster_spec))
     best = to_plan(found, choice, model_spec, proxy, workload)
     runners_up = []
     for _ in range(workload.alternatives):
         chosen = found.backbones[choice.backbone]
-        milp.exclude_backbone([j for j, b in enumerate(found.backbones)
-                               if (b.tp, b.pp, b.micro_batch) == (chosen.tp, chosen.pp, chosen.micro_batch)])
-        choice = milp.solve()
+        excluded.append((chosen.tp, chosen.pp, chosen.micro_batch))
+        choice = _solve_lazily(found, pool, cluster_spec.devices, excluded)
         if choice is None:
             break
         runners_up.append(to_plan(found, choice, model_spec, proxy, workload))
