@@ -93,6 +93,19 @@ def test_batched_bfd_and_ffd_equal_item_by_item_loops(case):
         assert bins.tolist() == reference_fit(lengths, capacity, best)
 
 
+def test_heavy_tail_bfd_and_ffd_equal_item_by_item_loops_across_blocks():
+    """Heavy-tailed lengths (nearly every value distinct, many items above C/2, which the
+    packers place all at once) over more than one 1024-bin FFD block."""
+    rng = np.random.default_rng(3)
+    capacity = 1500
+    lengths = np.minimum(np.round(300 * np.exp(1.3 * rng.standard_normal(3600))).astype(np.int64) + 1, capacity)
+    assert len(np.unique(lengths)) > 600 and (2 * lengths > capacity).sum() > 150
+    for fn, best in ((best_fit_decreasing, True), (first_fit_decreasing, False)):
+        order, bins = fn(lengths, capacity)
+        assert bins.max() + 1 > 1024
+        assert bins.tolist() == reference_fit(lengths.tolist(), capacity, best)
+
+
 @FAST
 @given(lengths_and_capacity())
 def test_pack_places_every_item_once_within_capacity_and_beats_ffd(case):

@@ -46,3 +46,13 @@ def test_caption_lengths_are_text_plus_template_plus_fixed_image():
 def test_unknown_distribution_is_an_error():
     with pytest.raises(ValueError, match="unknown distribution 'zipf'"):
         sample({"dist": "zipf"}, 3, np.random.default_rng(0))
+
+
+def test_long_tail_workload_is_heavy_tailed_with_many_distinct_lengths():
+    """What the packer's speed fix is measured on: nearly every length below C occurs, and a
+    small share of samples is longer than an 8k pack."""
+    spec = yaml.safe_load(next(p for p in SPECS if p.stem == "long_tail_sft").read_text())
+    lengths = generate(spec, 50_000, seed=0).lengths
+    assert len(np.unique(lengths[lengths <= 8192])) > 5000
+    assert 0.01 < (lengths > 8192).mean() < 0.04
+    assert np.percentile(lengths, 99) > 8 * np.median(lengths)  # the tail

@@ -13,12 +13,15 @@ items at once, with exactly the result of the sequential loop:
    ``q = r // l`` items in a row; the next ``t`` bins of the same bucket do the same.
 
 The loop therefore runs once per (distinct length, bucket visited), not once per item;
-each visit costs one O(log C) query of :class:`CapacityTree` and a few numpy calls.
+each visit costs one O(log C) query of :class:`CapacityTree` and O(1) work per bin it
+moves, in plain Python (see :class:`_Buckets` for why not numpy).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
+from itertools import repeat
+from typing import Sequence
 
 import numpy as np
 
@@ -26,45 +29,40 @@ from .segment_tree import CapacityTree
 
 
 class _Buckets:
-    """FIFO buckets of bin ids keyed by remaining space, plus the tree of non-empty keys."""
+    """FIFO buckets of bin ids keyed by remaining space, plus the tree of non-empty keys.
+
+    Plain Python lists, not numpy arrays: with many distinct lengths (heavy-tailed data)
+    nearly every remaining space is its own bucket of a bin or two, and the numpy calls
+    per bucket visit (about a microsecond of overhead each) cost more than the work.  A
+    bucket is a list read from a head index, so taking and adding bins are slices and
+    extends (C loops), not one Python step per bin.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.tree = CapacityTree(capacity)
-        self.queues: dict[int, deque[np.ndarray]] = {}
-        self.sizes: dict[int, int] = {}
+        self.queues: dict[int, list[int]] = {}
+        self.heads: dict[int, int] = {}  # first bin of each bucket not taken yet
 
-    def push(self, remaining: int, bins: np.ndarray) -> None:
-        if remaining == 0 or not len(bins):  # full bins never take another item
+    def push(self, remaining: int, bins: Sequence[int]) -> None:
+        if remaining == 0 or not bins:  # full bins never take another item
             return
         queue = self.queues.get(remaining)
         if queue is None:
-            self.queues[remaining] = deque([bins])
-            self.sizes[remaining] = len(bins)
+            self.queues[remaining] = list(bins)
+            self.heads[remaining] = 0
             self.tree.add(remaining)
         else:
-            queue.append(bins)
-            self.sizes[remaining] += len(bins)
+            queue.extend(bins)
 
-    def pop(self, remaining: int, count: int) -> np.ndarray:
-        """Take the ``count`` oldest bins of a bucket (``count`` <= its size)."""
-        queue = self.queues[remaining]
-        taken = []
-        while count:
-            head = queue[0]
-            if len(head) <= count:
-                taken.append(queue.popleft())
-                count -= len(head)
-            else:
-                taken.append(head[:count])
-                queue[0] = head[count:]
-                count = 0
-        size = self.sizes[remaining] - sum(len(t) for t in taken)
-        if size:
-            self.sizes[remaining] = size
-        else:
-            del self.queues[remaining], self.sizes[remaining]
-            self.tree.remove(remaining)
-        return taken[0] if len(taken) == 1 else np.concatenate(taken)
+    def pop(self, remaining: int, count: int) -> list[int]:
+        """Take up to ``count`` of the oldest bins of a bucket."""
+        queue, head = self.queues[remaining], self.heads[remaining]
+        if head + count < len(queue):
+            self.heads[remaining] = head + count
+            return queue[head : head + count]
+        del self.queues[remaining], self.heads[remaining]
+        self.tree.remove(remaining)
+        return queue[head:]
 
 
 def decreasing_runs(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, list[int], list[int]]:
@@ -91,7 +89,9 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     order, run_lengths, run_counts = decreasing_runs(lengths, capacity)
     buckets = _Buckets(capacity)
-    assigned: list[np.ndarray] = []
+    # Placements in order: bin ``bins[k]`` takes ``takes[k]`` items of the current run
+    # (int64 arrays that numpy reads without a copy).
+    bins, takes = array("q"), array("q")
     next_bin = 0
     for length, count in zip(run_lengths, run_counts):
         while count:
@@ -99,19 +99,20 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
             if remaining < 0:  # nothing fits: open as many bins as this run needs
                 per_bin = capacity // length
                 opened = -(-count // per_bin)
-                bins = np.arange(next_bin, next_bin + opened, dtype=np.int64)
+                taken: Sequence[int] = range(next_bin, next_bin + opened)
                 next_bin += opened
-                remaining, per_bin_avail = capacity, per_bin
-                taken = bins
+                remaining = capacity
             else:
-                per_bin_avail = remaining // length
-                needed = -(-count // per_bin_avail)
-                taken = buckets.pop(remaining, min(buckets.sizes[remaining], needed))
-            placed = min(count, len(taken) * per_bin_avail)
-            assigned.append(np.repeat(taken, per_bin_avail)[:placed])
-            full, last = divmod(placed, per_bin_avail)
-            buckets.push(remaining - per_bin_avail * length, taken[:full])
+                per_bin = remaining // length
+                taken = buckets.pop(remaining, -(-count // per_bin))
+            placed = min(count, len(taken) * per_bin)
+            full, last = divmod(placed, per_bin)
+            bins.extend(taken[: full + (last > 0)])
+            takes.extend(repeat(per_bin, full))
+            if last:
+                takes.append(last)
+            buckets.push(remaining - per_bin * length, taken[:full])
             if last:  # the run ended inside this bin: it keeps room for shorter items
-                buckets.push(remaining - last * length, taken[full:])
+                buckets.push(remaining - last * length, taken[full : full + 1])
             count -= placed
-    return order, np.concatenate(assigned)
+    return order, np.frombuffer(bins, dtype=np.int64).repeat(np.frombuffer(takes, dtype=np.int64))
