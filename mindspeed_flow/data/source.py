@@ -97,11 +97,7 @@ class Corpus:
         else:
             with open(shard.path, "rb") as f:
                 f.seek(int(shard.offsets[local]))
-                raw = f.readline()
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise MalformedRecord(f"{shard.place(local)}: malformed JSON ({e})") from None
+                record = _parse(f.readline(), shard.place(local), dict, "a record")
         if not isinstance(record, dict):
             raise MalformedRecord(f"{shard.place(local)}: a record must be a JSON object, got {type(record).__name__}")
         return record
@@ -118,15 +114,20 @@ class Corpus:
         return state
 
 
+def _parse(raw: bytes, place: str, expected: type, what: str) -> Any:
+    """``raw`` as JSON of type ``expected``; :class:`MalformedRecord` naming ``place`` otherwise."""
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MalformedRecord(f"{place}: malformed JSON ({e})") from None
+    if not isinstance(value, expected):
+        kind = "object" if expected is dict else expected.__name__
+        raise MalformedRecord(f"{place}: {what} must be a JSON {kind}, got {type(value).__name__}")
+    return value
+
+
 def _load_json_list(path: Path) -> list[Any]:
-    with open(path, "rb") as f:
-        try:
-            data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MalformedRecord(f"{path.name}: malformed JSON ({e})") from None
-    if not isinstance(data, list):
-        raise MalformedRecord(f"{path.name}: a .json shard must hold a list of records, got {type(data).__name__}")
-    return data
+    return _parse(path.read_bytes(), path.name, list, "a .json shard")
 
 
 def _index(path: Path) -> Shard:
