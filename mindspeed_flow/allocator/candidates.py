@@ -131,20 +131,37 @@ class BackbonePool:
         self.evaluated: list[BackboneEstimate] = []
         self.rejections = rejections
 
+    def _evaluate(self, p: PendingBackbone) -> BackboneEstimate | None:
+        """Simulate one pending candidate: it joins :attr:`evaluated` if it fits in memory."""
+        self.pending.remove(p)
+        est = self.proxy.backbone(self.spec, self.workload, p.tp, p.pp, p.micro_batch, p.dp)
+        if est.memory.total > self.cluster.memory_limit:
+            self.rejections.append(Rejection("backbone", f"tp {p.tp} pp {p.pp} mbs {p.micro_batch} dp {p.dp}",
+                                             "memory", est.memory.total, self.cluster.memory_limit, "GiB"))
+            return None
+        self.evaluated.append(est)
+        return est
+
     def expand(self, threshold: float) -> int:
         """Simulate every pending candidate whose bound reaches ``threshold``; returns how
         many fit in memory (and joined :attr:`evaluated`)."""
         added = 0
         while self.pending and self.pending[0].bound >= threshold:
-            p = self.pending.pop(0)
-            est = self.proxy.backbone(self.spec, self.workload, p.tp, p.pp, p.micro_batch, p.dp)
-            if est.memory.total > self.cluster.memory_limit:
-                self.rejections.append(Rejection("backbone", f"tp {p.tp} pp {p.pp} mbs {p.micro_batch} dp {p.dp}",
-                                                 "memory", est.memory.total, self.cluster.memory_limit, "GiB"))
-                continue
-            self.evaluated.append(est)
-            added += 1
+            added += self._evaluate(self.pending[0]) is not None
         return added
+
+    def best_within(self, devices: int) -> BackboneEstimate | None:
+        """The fastest backbone on at most ``devices`` devices, simulating only candidates
+        whose bound could beat the best found."""
+        fits = [b for b in self.evaluated if b.devices <= devices]
+        best = max(fits, key=lambda b: b.rate, default=None)
+        for p in [p for p in self.pending if p.tp * p.pp * p.dp <= devices]:
+            if best is not None and p.bound < best.rate:
+                break
+            est = self._evaluate(p)
+            if est is not None and (best is None or est.rate > best.rate):
+                best = est
+        return best
 
     def expand_first(self, count: int) -> int:
         """Simulate the ``count`` candidates with the best bounds (a first set to solve)."""

@@ -77,6 +77,22 @@ def simulated(layout: PipelineLayout, microbatches: int, costs: tuple[RegionCost
                         tuple(result.peak_live[r] for r in sorted(result.peak_live)))
 
 
+def stage_seconds(layout: PipelineLayout, costs: tuple[RegionCost, ...], with_backward: bool) -> list[float]:
+    """Compute seconds per microbatch of each stage: its layers at their region's per-layer
+    time (forward, plus the backward of trainable regions when asked)."""
+    out, start = [], 0
+    for count in layout.split:
+        seconds, taken = 0.0, 0
+        for (_, layers, trainable), cost in zip(layout.regions, costs):
+            overlap = max(0, min(start + count, taken + layers) - max(start, taken))
+            factor = 1 + (cost.backward_ratio if with_backward and trainable else 0.0)
+            seconds += overlap * cost.forward / layers * factor
+            taken += layers
+        out.append(seconds)
+        start += count
+    return out
+
+
 TRANSFER_SHARE = 0.05  # transfers below this share of a stage's forward: compute-bound
 
 
@@ -88,17 +104,8 @@ def steady_line(layout: PipelineLayout, costs: tuple[RegionCost, ...],
     checked against a third simulated step (``3 stages``); a transfer-bound pipeline need
     not settle into a per-microbatch rhythm and is simulated in full."""
     stages = layout.stages
-    total = sum(layers for _, layers, _ in layout.regions)
-    per_layer = [cost.forward / layers for (_, layers, _), cost in zip(layout.regions, costs)]
-    lightest, start = float("inf"), 0
-    for count in layout.split:  # a stage's forward: its layers, at their region's per-layer time
-        seconds, taken, position = 0.0, 0, start
-        for (_, layers, _), rate in zip(layout.regions, per_layer):
-            overlap = max(0, min(position + count, taken + layers) - max(position, taken))
-            seconds += overlap * rate
-            taken += layers
-        lightest, start = min(lightest, seconds), start + count
-    if start != total or max(link.seconds(c.output_bytes) for c in costs) > TRANSFER_SHARE * lightest:
+    lightest = min(stage_seconds(layout, costs, with_backward=False))
+    if max(link.seconds(c.output_bytes) for c in costs) > TRANSFER_SHARE * lightest:
         return None
     near, far, check = (simulated(layout, k * stages, costs, link) for k in (1, 2, 3))
     busy = [(1 - s.bubble_fraction) * s.step_time for s in (near, far, check)]

@@ -25,7 +25,7 @@ from statistics import median
 
 from . import memory
 from .memory import MemoryEstimate
-from .pipeline import PipelineStep, backbone_layout, pipeline_step, uniform_split
+from .pipeline import PipelineStep, backbone_layout, pipeline_step, stage_seconds, uniform_split
 from .profile import Profile
 from .specs import AllocatorError, ClusterSpec, ModuleSpec, Workload
 from mindspeed_flow.schedule import Link, RegionCost
@@ -144,10 +144,13 @@ class ProxyModel:
         output = memory.BF16 * samples * spec.tokens_per_sample * spec.hidden / tp
         return RegionCost(forward=forward, backward_ratio=self._backward_ratio["backbone"], output_bytes=output)
 
+    def backbone_costs(self, spec: ModuleSpec, tp: int, micro_batch: int) -> tuple[RegionCost, RegionCost]:
+        """The backbone layout's region costs: all its layers, then the head."""
+        return self.region_cost("backbone", spec, tp, micro_batch, spec.layers), self.head_cost(spec, tp, micro_batch)
+
     def pipeline(self, spec: ModuleSpec, tp: int, pp: int, micro_batch: int, microbatches: int) -> PipelineStep:
-        costs = (self.region_cost("backbone", spec, tp, micro_batch, spec.layers), self.head_cost(spec, tp, micro_batch))
-        return pipeline_step(backbone_layout(spec.layers, pp, spec.trainable), microbatches, costs,
-                             self.stage_link(tp, pp))
+        return pipeline_step(backbone_layout(spec.layers, pp, spec.trainable), microbatches,
+                             self.backbone_costs(spec, tp, micro_batch), self.stage_link(tp, pp))
 
     def backbone(self, spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int,
                  dp: int) -> BackboneEstimate:
@@ -170,13 +173,8 @@ class ProxyModel:
         """An upper bound on :meth:`backbone`'s rate without simulating: no step is shorter
         than the busiest rank's compute (the last stage: its layers and the head, for every
         microbatch) plus the gradient reduce, whatever the bubble."""
-        layers = self.region_cost("backbone", spec, tp, micro_batch, spec.layers)
-        head = self.head_cost(spec, tp, micro_batch)
-
-        def per_microbatch(cost: RegionCost, share: float) -> float:
-            return cost.forward * share * (1 + (cost.backward_ratio if spec.trainable else 0.0))
-
-        busiest = per_microbatch(layers, (spec.layers // pp) / spec.layers) + per_microbatch(head, 1.0)
+        costs = self.backbone_costs(spec, tp, micro_batch)
+        busiest = max(stage_seconds(backbone_layout(spec.layers, pp, spec.trainable), costs, with_backward=True))
         microbatches = workload.global_batch // (dp * micro_batch)
         return workload.global_batch / (microbatches * busiest + self._gradient_reduce(spec, tp, pp, dp))
 

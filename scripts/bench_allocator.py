@@ -1,0 +1,79 @@
+"""Allocator benchmark: solve time at 64 / 512 / 4096 / 16384 devices, and plan quality
+against two baselines evaluated by the same proxy and schedule simulator.
+
+The config space is ``configs/allocator/vlm_72b.yaml``'s (a Qwen2.5-VL-72B-like 80-layer
+backbone and a 600M-class 32-layer ViT; tp 1/2/4/8, pp 1..20, micro batch 1/2, every DP the
+batch allows) with the device budget varied and the global batch at 15/16 of the devices
+(so that many DP sizes divide it).  For each budget:
+
+- solve time, cold: fresh proxy, the simulator caches emptied (what ``mindspeed-flow plan``
+  pays); warm: the same solve again (simulations cached: candidate bounds plus the MILP);
+- the plan's predicted samples/s against (a) ``megatron-uniform``: one strategy for the
+  whole model, the ViT inside stage 0 (MindSpeed-MM's layout), its best config by search;
+  (b) ``disttrain-like``: encoder devices by FLOPs share, best config in each share.
+
+    .venv/bin/python scripts/bench_allocator.py [--devices 64 512 ...] [--config PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from mindspeed_flow.allocator import Profile, ProxyModel, load_config, solve
+from mindspeed_flow.allocator.baselines import disttrain_like, megatron_uniform
+from mindspeed_flow.allocator.pipeline import composed, simulated
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "allocator" / "vlm_72b.yaml"
+
+
+def timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--devices", type=int, nargs="+", default=[64, 512, 4096, 16384])
+    args = parser.parse_args()
+    config = load_config(args.config)
+    profile = Profile.load(config.profile)
+    rows = []
+    for devices in tqdm(args.devices, desc="device budgets"):
+        cluster = replace(config.cluster, devices=devices)
+        workload = replace(config.workload, global_batch=devices * 15 // 16, alternatives=0)
+        composed.cache_clear()
+        simulated.cache_clear()
+        proxy = ProxyModel(profile, cluster)
+        plan, cold = timed(lambda: solve(config.model, cluster, proxy, workload))
+        sims = simulated.cache_info().misses
+        _, warm = timed(lambda: solve(config.model, cluster, proxy, workload))
+        uniform = megatron_uniform(config.model, cluster, proxy, workload)
+        heuristic = disttrain_like(config.model, cluster, proxy, workload)
+        rows.append((devices, workload.global_batch, cold, warm, sims, plan, uniform, heuristic))
+    print(f"{config.model.name} ({args.config.name}), profile: {profile.device}")
+    print(f"{'devices':>7} {'batch':>6} {'cold s':>7} {'warm s':>7} {'sims':>5}  {'plan samples/s':>14} {'MFU':>6} "
+          f"{'used':>6}  {'uniform':>9} {'x':>6}  {'disttrain':>9} {'x':>6}")
+    for devices, batch, cold, warm, sims, plan, uniform, heuristic in rows:
+        print(f"{devices:>7} {batch:>6} {cold:>7.2f} {warm:>7.2f} {sims:>5}  {plan.throughput:>14.2f} "
+              f"{plan.predicted.mfu:>6.1%} {plan.devices:>6}  {uniform.throughput:>9.2f} "
+              f"{plan.throughput / uniform.throughput:>5.2f}x  {heuristic.throughput:>9.2f} "
+              f"{plan.throughput / heuristic.throughput:>5.2f}x")
+    print("\nconfigs:")
+    for devices, _, _, _, _, plan, uniform, heuristic in rows:
+        e, b = plan.encoder, plan.backbone
+        print(f"  {devices:>5} plan:      encoder dp {e.dp} x tp {e.tp}; backbone dp {b.dp} x tp {b.tp} x pp {b.pp}, "
+              f"mbs {b.micro_batch}; production {plan.predicted.production:.2f}, consumption "
+              f"{plan.predicted.consumption:.2f} samples/s, bubble {plan.predicted.bubble_fraction:.1%}")
+        print(f"  {devices:>5} uniform:   {uniform.config} ({uniform.devices} devices, MFU {uniform.mfu:.1%})")
+        print(f"  {devices:>5} disttrain: {heuristic.config} ({heuristic.devices} devices, MFU {heuristic.mfu:.1%})")
+
+
+if __name__ == "__main__":
+    main()
