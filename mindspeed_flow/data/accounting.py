@@ -67,14 +67,15 @@ class ConsumedAccounting:
 
         Without an initialised process group (one process) the local counts are the totals.
         ``device`` is where the all-reduce tensor lives: the CPU for gloo, else the current
-        accelerator (``torch.cuda.current_device()``, which MindSpeed maps to the NPU).
+        accelerator as Megatron names it, ``torch.cuda.current_device()`` (which MindSpeed's
+        ``transfer_to_npu`` maps to the NPU).
         """
         local = self.pending
         self._samples = self._tokens = self._microbatches = 0
         if not (dist.is_available() and dist.is_initialized()):
             return local
         if device is None:
-            device = "cpu" if dist.get_backend(group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
+            device = "cpu" if dist.get_backend(group) == "gloo" else torch.cuda.current_device()
         counts = torch.tensor([local.samples, local.tokens, local.microbatches], dtype=torch.int64, device=device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
         samples, tokens, microbatches = counts.tolist()
