@@ -29,7 +29,6 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .segments import Window, lengths
 
@@ -110,12 +109,41 @@ def _attend_blocks_checkpointed(
     """Dropout on CPU: query blocks whose math-kernel scores are recomputed in backward
     (same RNG state, same dropout mask) instead of kept for the whole segment."""
     lq = q.shape[-2]
-    blocks = [
-        checkpoint(_attend_block, q, k, v, r0, min(r0 + BLOCK, lq), window, scale, dropout_p, gqa,
-                   use_reentrant=False)
-        for r0 in range(0, lq, BLOCK)
-    ]
+    blocks = [_RecomputedBlock.apply(q, k, v, r0, min(r0 + BLOCK, lq), window, scale, dropout_p, gqa)
+              for r0 in range(0, lq, BLOCK)]
     return torch.cat(blocks, dim=-2)
+
+
+class _RecomputedBlock(torch.autograd.Function):
+    """One query block of :func:`_attend_block`, run without autograd in forward and again,
+    from the CPU RNG state of the forward, in backward (activation checkpointing).
+
+    Written out rather than ``torch.utils.checkpoint``: that one opens an autocast context
+    for the device type it infers, which fails in processes where a PrivateUse1 backend
+    without autocast support is registered (an NPU stand-in, for one).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, r0, r1, window, scale, dropout_p, gqa):  # type: ignore[override]
+        ctx.rng_state = torch.get_rng_state()
+        ctx.block = (r0, r1, window, scale, dropout_p, gqa)
+        ctx.save_for_backward(q, k, v)
+        with torch.no_grad():
+            return _attend_block(q, k, v, *ctx.block)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        inputs = [x.detach().requires_grad_(needed) for x, needed in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+        after_forward = torch.get_rng_state()
+        torch.set_rng_state(ctx.rng_state)
+        try:
+            with torch.enable_grad():
+                out = _attend_block(*inputs, *ctx.block)
+        finally:
+            torch.set_rng_state(after_forward)
+        wanted = [x for x in inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return (*(next(grads) if x.requires_grad else None for x in inputs), None, None, None, None, None, None)
 
 
 def _attend_block(
