@@ -44,11 +44,11 @@ from .seams import POOL
 from .skeletons import PREFIX, SHARDED
 
 _TRANSPORTS = ("p2p", POOL)
-_KINDS = {  # (direction, transport) -> (send kind, receive kind)
-    ("act", "p2p"): (Kind.SEND_ACT, Kind.RECV_ACT),
-    ("grad", "p2p"): (Kind.SEND_GRAD, Kind.RECV_GRAD),
-    ("act", POOL): (Kind.POOL_PUT, Kind.POOL_GET),
-    ("grad", POOL): (Kind.POOL_PUT, Kind.POOL_GET),
+_KINDS = {  # (an activation?, transport) -> (send kind, receive kind)
+    (True, "p2p"): (Kind.SEND_ACT, Kind.RECV_ACT),
+    (False, "p2p"): (Kind.SEND_GRAD, Kind.RECV_GRAD),
+    (True, POOL): (Kind.POOL_PUT, Kind.POOL_GET),
+    (False, POOL): (Kind.POOL_PUT, Kind.POOL_GET),
 }
 
 
@@ -112,7 +112,8 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 class _Transfer(NamedTuple):
-    """One tensor crossing ranks: produced by ``producer``, consumed by ``consumer``."""
+    """One tensor crossing ranks: produced by ``producer``, consumed by ``consumer``, which
+    are computes number ``after - 1`` and ``before`` of their ranks' timelines."""
 
     send: Action
     recv: Action
@@ -120,47 +121,50 @@ class _Transfer(NamedTuple):
     receiver: int
     producer: Timed
     consumer: Timed
+    after: int
+    before: int
 
 
 def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]]) -> list[_Transfer]:
     """Every cross-rank edge of every path, found from its consumer."""
     # a weight-gradient step (W) neither needs nor makes a tensor of another rank
-    timeline = {rank: [t for t in timed if t.action.kind is not Kind.BACKWARD_WEIGHT]
-                for rank, timed in timeline.items()}
-    position = [{(v.region, v.stage): k for k, v in enumerate(path)} for path in paths]
-    where: dict[tuple[bool, int, int], tuple[int, Timed]] = {}  # (forward, microbatch, k) -> (rank, compute)
+    weight = Kind.BACKWARD_WEIGHT
+    # every path visits the same (region, stage) sequence; only the ranks differ
+    position = {(v.region, v.stage): k for k, v in enumerate(paths[0])} if paths else {}
+    keys = [(f"{v.tag}:act", f"{v.tag}:grad") for v in paths[0]] if paths else []
+    # (forward, microbatch, k) -> (rank, index in its timeline, compute)
+    where: dict[tuple[bool, int, int], tuple[int, int, Timed]] = {}
     for rank, timed in timeline.items():
-        for t in timed:
+        for i, t in enumerate(timed):
             a = t.action
-            where[(a.kind is Kind.FORWARD, a.microbatch, position[a.microbatch][(a.region, a.stage)])] = (rank, t)
+            if a.kind is not weight:
+                where[(a.kind is Kind.FORWARD, a.microbatch, position[(a.region, a.stage)])] = (rank, i, t)
     found = []
     for rank in sorted(timeline):
-        for consumer in timeline[rank]:
+        for before, consumer in enumerate(timeline[rank]):
             a, m = consumer.action, consumer.action.microbatch
+            if a.kind is weight:
+                continue
             path = paths[m]
-            k = position[m][(a.region, a.stage)]
+            k = position[(a.region, a.stage)]
             forward = a.kind is Kind.FORWARD
             if forward and k > 0:
-                up, tensor, downstream, source = path[k - 1], path[k - 1], path[k], k - 1
+                up, downstream, source, key = path[k - 1], path[k], k - 1, keys[k - 1][0]
             elif not forward and k + 1 < len(path):
-                up, tensor, downstream, source = path[k + 1], path[k], path[k + 1], k + 1
+                up, downstream, source, key = path[k + 1], path[k + 1], k + 1, keys[k][1]
             else:
                 continue
-            if downstream.inbound not in _TRANSPORTS:
+            transport = downstream.inbound
+            if transport not in _TRANSPORTS:
                 continue  # same rank: the tensor stays where it is
-            direction = "act" if forward else "grad"
-            send_kind, recv_kind = _KINDS[(direction, downstream.inbound)]
-            key = f"{tensor.tag}:{direction}"
-            sender, producer = where[(forward, m, source)]
+            sender, made, producer = where[(forward, m, source)]
             if sender == rank:
                 continue  # a gradient made where a recomputed backward runs
+            send_kind, recv_kind = _KINDS[(forward, transport)]
             found.append(_Transfer(
-                send=Action(send_kind, up.region, up.stage, m, peer=rank, key=key),
-                recv=Action(recv_kind, a.region, a.stage, m, peer=sender, key=key),
-                sender=sender,
-                receiver=rank,
-                producer=producer,
-                consumer=consumer,
+                Action(send_kind, up.region, up.stage, m, peer=rank, key=key),
+                Action(recv_kind, a.region, a.stage, m, peer=sender, key=key),
+                sender, rank, producer, consumer, made + 1, before,
             ))
     for m, path in enumerate(paths):  # a recomputed backward needs the region's input
         first = path[0]
@@ -171,8 +175,10 @@ def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]
                 recv=Action(Kind.RECV_ACT, first.region, first.stage, m, peer=first.rank, key=key),
                 sender=first.rank,
                 receiver=first.backward_rank,
-                producer=where[(True, m, 0)][1],
-                consumer=where[(False, m, 0)][1],
+                producer=where[(True, m, 0)][2],
+                consumer=where[(False, m, 0)][2],
+                after=where[(True, m, 0)][1] + 1,
+                before=where[(False, m, 0)][1],
             ))
     return found
 
@@ -192,7 +198,6 @@ def _assemble(
     an owner backward in one block after the first stage's last compute."""
     # rank -> slot (the number of computes before it) -> (sort key, action)
     slots: dict[int, dict[int, list]] = {rank: defaultdict(list) for rank in timeline}
-    index = {(rank, t.pick): i for rank, timed in timeline.items() for i, t in enumerate(timed)}
     prefixed = {r.name for g in placement.groups if getattr(g.skeleton, "order", None) == PREFIX
                 for r in g.regions}
     prefix = {rank: next((i for i, t in enumerate(timed) if t.action.kind is not Kind.FORWARD
@@ -205,12 +210,10 @@ def _assemble(
             send_slot, recv_slot = prefix[tr.sender], prefix[tr.receiver]
             send_order = recv_order = (-1, tr.send.key.endswith(":input"), tr.send.microbatch)
         elif not in_one_order and tr.recv.kind is Kind.RECV_GRAD and tr.recv.region in prefixed:
-            send_slot = len(timeline[tr.sender])
-            recv_slot = index[(tr.receiver, tr.consumer.pick)]
+            send_slot, recv_slot = len(timeline[tr.sender]), tr.before
             send_order, recv_order = (2, tr.send.microbatch), (1, seq)
         elif not in_one_order:
-            send_slot = index[(tr.sender, tr.producer.pick)] + 1
-            recv_slot = index[(tr.receiver, tr.consumer.pick)]
+            send_slot, recv_slot = tr.after, tr.before
             send_order, recv_order = (0, seq), (1, seq)
         else:
             moment = (tr.producer.end, tr.producer.pick + 0.5)
@@ -225,7 +228,8 @@ def _assemble(
         placed = slots[rank]
         for i in range(len(timed) + 1):
             if i in placed:
-                program += [action for _, action in sorted(placed[i], key=itemgetter(0))]
+                slot = placed[i]
+                program += [slot[0][1]] if len(slot) == 1 else [a for _, a in sorted(slot, key=itemgetter(0))]
             if i < len(timed):
                 program.append(timed[i].action)
         programs[rank] = program
