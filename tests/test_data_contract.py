@@ -1,7 +1,7 @@
 """The loader's batch against what MindSpeed-MM and the ``fused_attn`` patches read.
 
 MindSpeed-MM cannot be installed here, so the contract is checked on its pinned source
-(unpacked by ``unpack.sh``): ``pretrain_vlm.forward_step`` calls ``model(**get_batch(...))``,
+(``pinned_upstream.upstream_sources``): ``pretrain_vlm.forward_step`` calls ``model(**get_batch(...))``,
 so every batch key must be a parameter of the real ``VLMModel.forward`` or fall into its
 ``**kwargs``.  A function with exactly that signature (read from the source) is then
 driven through the real ``fused_attn`` wrappers with a loader batch: the packed path must
@@ -23,12 +23,12 @@ from mindspeed_flow.data.batch import TENSOR_KEYS
 from mindspeed_flow.patching.source import find_in_source
 
 from data_corpus import demo_corpus
-from pinned_upstream import unpack
+from pinned_upstream import upstream_sources
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory) -> Path:
-    return Path(unpack(tmp_path_factory.mktemp("upstream"))["MINDSPEED_MM_SRC"])
+def upstream() -> Path:
+    return upstream_sources().mindspeed_mm
 
 
 @pytest.fixture(scope="module")

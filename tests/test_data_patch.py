@@ -23,15 +23,15 @@ from mindspeed_flow.adapters import mindspeed_mm_data as adapter
 from mindspeed_flow.patches import packing_loader
 
 from data_corpus import demo_corpus
-from pinned_upstream import unpack
+from pinned_upstream import upstream_sources
 from subprocess_utils import last_json, run_python
 
 SAMPLES = 30
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory) -> dict[str, str]:
-    return unpack(tmp_path_factory.mktemp("upstream"))
+def upstream() -> dict[str, str]:
+    return upstream_sources().env()
 
 
 def _data_config(upstream) -> dict:
