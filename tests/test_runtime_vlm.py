@@ -1,0 +1,197 @@
+"""`<transpose, 1f1b>` on a tiny VLM: a plain-PyTorch ViT + projector in front of
+megatron-core's GPTModel cut over PP=2, run by the runtime over gloo, against one process
+running the whole model (fp32, 1e-6 relative), with the ViT frozen and trainable.
+
+Microbatch ``m`` is an image of ``PATCHES[m]`` patches followed by text tokens: its
+sequence length differs per microbatch, and nothing is padded.  The ViT is replicated: rank
+``m % 2`` runs it for microbatch ``m`` and sends the embeddings to the pipeline's first
+stage; a trainable ViT is broadcast from rank 0 first (rank 1 starts from other weights)
+and its gradients are summed over both replicas at the end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
+)
+
+MICROBATCHES = 4
+PATCHES = (3, 6, 2, 5)
+TEXT = 5
+PATCH_DIM = 12
+
+
+def _spec():
+    from megatron_cpu_harness import TinyGPTSpec
+
+    return TinyGPTSpec(num_microbatches=MICROBATCHES, seq_length=max(PATCHES) + TEXT, micro_batch_size=1)
+
+
+class ViT(nn.Module):
+    """Patch embedding, one tanh layer and a projector to the LLM's hidden size."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.patch = nn.Linear(PATCH_DIM, hidden)
+        self.layer = nn.Linear(hidden, hidden)
+        self.projector = nn.Linear(hidden, hidden)
+
+    def set_input_tensor(self, tensors: list) -> None:
+        assert tensors == [None]
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.projector(torch.tanh(self.layer(self.patch(batch["pixels"]))))
+
+
+class TextStage(nn.Module):
+    """A GPTModel stage; the first puts the image embeddings (its pipeline input) in front
+    of the token embeddings and feeds the decoder through ``decoder_input``."""
+
+    def __init__(self, gpt: nn.Module, first: bool) -> None:
+        super().__init__()
+        self.gpt, self.first = gpt, first
+        self.image: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensors: list) -> None:
+        if self.first:
+            self.image = tensors[0]
+        else:
+            self.gpt.set_input_tensor(tensors)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        n = batch["pixels"].shape[0] + TEXT
+        positions = torch.arange(n).unsqueeze(0)
+        labels = batch["labels"] if self.gpt.post_process else None
+        if not self.first:
+            return self.gpt(None, positions, None, labels=labels)
+        text = self.gpt.embedding(input_ids=batch["tokens"], position_ids=positions[:, -TEXT:])
+        x = torch.cat([self.image.unsqueeze(1), text])  # [S, B=1, H]
+        return self.gpt(None, positions, None, decoder_input=x, labels=labels)
+
+
+def _batches(spec):
+    g = torch.Generator().manual_seed(11)
+    return [{"pixels": torch.randn(p, PATCH_DIM, generator=g),
+             "tokens": torch.randint(0, spec.vocab_size, (1, TEXT), generator=g),
+             "labels": torch.randint(0, spec.vocab_size, (1, p + TEXT), generator=g), "patches": p}
+            for p in PATCHES]
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    image = batch["patches"]
+
+    def loss_func(output):  # text positions only
+        loss = output[:, image:].float().mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    return model(batch), loss_func
+
+
+def _vit(spec, frozen):
+    torch.manual_seed(5)
+    vit = ViT(spec.hidden_size)
+    vit.requires_grad_(not frozen)
+    return vit
+
+
+def _reference(rank, world_size):
+    """Worker: the whole VLM in one process, Megatron's no-pipelining schedule, with the
+    ViT frozen and trainable."""
+    return {frozen: _reference_run(frozen) for frozen in (True, False)}
+
+
+def _reference_run(frozen):
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron_cpu_harness import build_stage_model, full_state_dict, megatron_parallel
+
+    spec = _spec()
+    with megatron_parallel(1):
+        gpt = build_stage_model(spec)
+        vit = _vit(spec, frozen)
+        state = full_state_dict(gpt)
+
+        class Whole(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.vit, self.text = vit, TextStage(gpt, first=True)
+                self.config, self.model_type = gpt.config, gpt.model_type  # what Megatron's schedule reads
+
+            def set_input_tensor(self, tensors):
+                pass
+
+            def forward(self, batch):
+                self.text.set_input_tensor([self.vit(batch)])
+                return self.text(batch)
+
+        losses = forward_backward_no_pipelining(
+            forward_step_func=_forward_step, data_iterator=iter(_batches(spec)), model=Whole(),
+            num_microbatches=MICROBATCHES, seq_length=spec.seq_length, micro_batch_size=1)
+        grads = {f"gpt.{n}": p.grad.clone() for n, p in gpt.named_parameters()}
+        grads.update({f"vit.{n}": p.grad.clone() for n, p in vit.named_parameters() if p.grad is not None})
+    return state, [float(d["loss"]) for d in losses], grads
+
+
+def _pipelined(rank, world_size, state):
+    """Worker: this rank's GPT stage and a whole ViT replica, run by the runtime."""
+    return {frozen: _pipelined_run(rank, world_size, state, frozen) for frozen in (True, False)}
+
+
+def _pipelined_run(rank, world_size, state, frozen):
+    from megatron_cpu_harness import build_stage_model, global_name, layer_offset, megatron_parallel
+
+    from mindspeed_flow.runtime import Binding, Executor
+    from mindspeed_flow.runtime.layout import plan_for, vlm_layout
+
+    spec = _spec()
+    with megatron_parallel(world_size):
+        gpt = build_stage_model(spec, state)
+        vit = _vit(spec, frozen)
+        if rank == 1 and not frozen:
+            with torch.no_grad():
+                for p in vit.parameters():
+                    p.add_(0.5)  # only the broadcast makes this replica right
+        plan = plan_for(vlm_layout([3, 0], [2, 2], transpose=True, vision_trainable=not frozen), MICROBATCHES)
+        data = iter(_batches(spec))
+        bindings = {("vit", 0): Binding(vit, data), ("llm", rank): Binding(TextStage(gpt, rank == 0), data)}
+        result = Executor(rank, [0, 1]).run(plan, _forward_step, bindings)
+        offset = layer_offset(gpt)
+        grads = {f"gpt.{global_name(n, offset)}": p.grad.clone() for n, p in gpt.named_parameters()}
+        grads.update({f"vit.{n}": p.grad.clone() for n, p in vit.named_parameters() if p.grad is not None})
+    return [float(d["loss"]) for d in result.forward_data_store], grads
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from megatron_cpu_harness import launch
+
+    (reference,) = launch(_reference, 1, timeout_s=180)
+    state = reference[True][0]  # the GPT weights are the same in both cases
+    assert all(torch.equal(state[k], v) for k, v in reference[False][0].items() if isinstance(v, torch.Tensor))
+    return reference, launch(_pipelined, 2, state, timeout_s=240)
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen-vit", "trainable-vit"])
+def test_transpose_1f1b_vlm_equals_single_process(runs, frozen):
+    reference, ranks = runs
+    _, ref_losses, ref_grads = reference[frozen]
+    first, last = (r[frozen] for r in ranks)
+    assert first[0] == [] and last[0] == pytest.approx(ref_losses, rel=1e-6, abs=0)
+    assert any(n.startswith("vit.") for n in ref_grads) is not frozen
+    for rank, (_, grads) in enumerate((first, last)):
+        vit = {n for n in grads if n.startswith("vit.")}
+        assert vit == {n for n in ref_grads if n.startswith("vit.")}  # every replica has the sum
+    merged = {**first[1], **last[1]}
+    assert set(merged) == set(ref_grads)
+    for name, expected in ref_grads.items():
+        assert expected.abs().sum() > 0, name
+        for rank, (_, grads) in enumerate((first, last)):
+            if name in grads:
+                torch.testing.assert_close(grads[name], expected, rtol=1e-6, atol=1e-7, msg=f"r{rank} {name}")
