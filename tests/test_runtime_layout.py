@@ -1,0 +1,102 @@
+"""Layouts the schedule feature runs (Megatron's own, YAML, MindSpeed-MM's VLM split), the
+chunks a rank binds, and the start-up refusal of features that swap the same schedule."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from mindspeed_flow.adapters import megatron_core_schedule as adapter
+from mindspeed_flow.runtime.layout import load_layout, local_visits, megatron_layout, plan_for, vlm_layout
+from mindspeed_flow.schedule import Interleaved1F1B, OneFOneB, ScheduleError, Transpose
+
+
+def test_megatron_layout_is_1f1b_or_interleaved_and_binds_chunks_in_model_order():
+    (region,) = megatron_layout(4)
+    assert region.skeleton == OneFOneB(stages=4)
+    (region,) = megatron_layout(2, chunks=2)
+    assert region.skeleton == Interleaved1F1B(stages=2, chunks_per_rank=2)
+    plan = plan_for(megatron_layout(2, 2), 4)
+    assert local_visits(plan, 0) == [("model", 0), ("model", 2)]  # Megatron's model list order
+    assert local_visits(plan, 1) == [("model", 1), ("model", 3)]
+
+
+def test_yaml_layout(tmp_path):
+    path = tmp_path / "layout.yaml"
+    path.write_text("regions:\n"
+                    "  - {name: vit, layers: 2, skeleton: transpose, trainable: false, max_in_flight: 2}\n"
+                    "  - {name: llm, layers: 4, skeleton: 1f1b, pipeline_num_layers: [1, 3]}\n")
+    vit, llm = load_layout(path, stages=2)
+    assert (vit.name, vit.trainable, vit.skeleton) == ("vit", False, Transpose(max_in_flight=2))
+    assert llm.skeleton == OneFOneB(stages=2, layers=(1, 3))
+    assert local_visits(plan_for((vit, llm), 4), 1) == [("vit", 0), ("llm", 1)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("regions: []\n", "expected a non-empty `regions:` list"),
+    ("regions:\n  - {name: llm}\n", r"regions\[0\]: needs at least `name` and `layers`"),
+    ("regions:\n  - {name: llm, layers: 2, skeleton: pipedream}\n", r"regions\[0\] \(llm\): unknown skeleton 'pipedream'"),
+    ("regions:\n  - {name: llm, layers: 2, stage: 2}\n", r"regions\[0\] \(llm\): unknown keys \['stage'\]"),
+    ("regions:\n  - {name: llm, layers: 2, pipeline_num_layers: [1, 1, 1]}\n", r"regions\[0\] \(llm\): .*3 entries"),
+    ("regions: [\n", "cannot read the schedule layout"),
+])
+def test_bad_yaml_names_the_file_and_region(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ScheduleError, match=message) as failure:
+        load_layout(path, stages=2)
+    assert str(path) in str(failure.value)
+
+
+def test_vlm_split_of_mindspeed_mm():
+    # MindSpeed-MM's own placement (ViT inside stage 0) is Megatron's layout: numbers unchanged
+    assert vlm_layout([3, 0], [1, 3]) == megatron_layout(2)
+    vit, llm = vlm_layout([3, 0], [1, 3], transpose=True, vision_trainable=False)
+    assert (vit.num_layers, vit.trainable, llm.skeleton) == (3, False, OneFOneB(stages=2, layers=(1, 3)))
+    with pytest.raises(ScheduleError, match="vision_encoder.pipeline_num_layers has 2 stages but text_decoder"):
+        vlm_layout([3, 0], [1, 1, 2])
+
+
+def test_vlm_layout_from_mindspeed_mm_args(tmp_path):
+    path = tmp_path / "vlm.yaml"
+    path.write_text("vlm: {transpose: true, vision_trainable: false}\n")
+    model = SimpleNamespace(image_encoder=SimpleNamespace(vision_encoder=SimpleNamespace(pipeline_num_layers=[4, 0])),
+                            text_decoder=SimpleNamespace(pipeline_num_layers=[2, 2]))
+    args = argparse.Namespace(flow_schedule_config=str(path), mm=SimpleNamespace(model=model))
+    vit, llm = adapter.layout_from_args(args)(2, 1)
+    assert (vit.num_layers, vit.trainable, llm.skeleton.layers) == (4, False, (2, 2))
+    with pytest.raises(ValueError, match="needs MindSpeed-MM's model config"):
+        adapter.layout_from_args(argparse.Namespace(flow_schedule_config=str(path)))
+    assert adapter.layout_from_args(argparse.Namespace(flow_schedule_config=None)) is None
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"schedules_method": "dualpipev"}, "MindSpeed DualPipeV"),
+    ({"recompute_in_bubble": True}, "MindSpeed RiPipe"),
+    ({"variable_seq_lengths": True}, "MindSpeed --variable-seq-lengths"),
+    ({"hetero_parallel": True}, "MindSpeed-MM --hetero-parallel"),
+])
+def test_conflicting_schedule_features_are_refused_naming_both(flags, named):
+    args = argparse.Namespace(flow_schedule_config=None, **flags)
+    with pytest.raises(adapter.ScheduleConflict) as failure:
+        adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
+    assert "mindspeed-flow schedule (--flow-schedule)" in str(failure.value) and named in str(failure.value)
+
+
+def test_start_up_loads_the_layout_and_fails_on_a_bad_file(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("regions:\n  - {name: llm, layers: 4}\n")
+    args = argparse.Namespace(flow_schedule_config=str(good), pipeline_model_parallel_size=2)
+    try:
+        adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
+        (llm,) = adapter.SETTINGS.layout(2, 1)
+        assert llm.skeleton == OneFOneB(stages=2)
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("regions:\n  - {name: llm, layers: 4, skeleton: nope}\n")
+        with pytest.raises(ScheduleError, match=str(bad)):
+            adapter.validate_args_wrapper(lambda a, d=None: a, None,
+                                          (argparse.Namespace(flow_schedule_config=str(bad)), {}), {})
+    finally:
+        adapter.configure()
