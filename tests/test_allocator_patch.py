@@ -15,7 +15,7 @@ import pytest
 
 from mindspeed_flow.adapters.allocator_plan import apply_to_megatron_args, apply_to_mm_model
 from mindspeed_flow.allocator import AllocatorError, BackboneConfig, EncoderConfig, Plan, Prediction
-from pinned_upstream import unpack
+from pinned_upstream import upstream_sources
 from subprocess_utils import last_json, run_python
 
 PREDICTION = Prediction(throughput=10.0, production=11.0, consumption=10.0, mfu=0.4, bubble_fraction=0.1,
@@ -29,8 +29,8 @@ def make_plan(split=(10,) * 8, dp=2, tp=4, micro_batch=1) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory) -> dict[str, str]:
-    return unpack(tmp_path_factory.mktemp("upstream"))
+def upstream() -> dict[str, str]:
+    return upstream_sources().env()
 
 
 def namespace(plan_file: Path, **values) -> argparse.Namespace:

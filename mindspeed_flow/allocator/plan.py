@@ -6,11 +6,11 @@ Plans are written to YAML/JSON by ``mindspeed-flow plan --out`` and read back by
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .files import field_values, read_data, write_data
 from .specs import AllocatorError
 
 
@@ -105,15 +105,7 @@ class Plan:
 
     def save(self, path: str | Path) -> Path:
         """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), by suffix."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".json":
-            path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        else:
-            import yaml
-
-            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        return path
+        return write_data(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan") -> "Plan":
@@ -121,35 +113,20 @@ class Plan:
             raise AllocatorError(f"{where}: expected a mapping")
         try:
             return cls(
-                encoder=EncoderConfig(**_keys(data, "encoder", EncoderConfig, where)),
-                backbone=BackboneConfig(**_keys(data, "backbone", BackboneConfig, where)),
+                encoder=EncoderConfig(**field_values(EncoderConfig, data["encoder"], f"{where}: encoder")),
+                backbone=BackboneConfig(**field_values(BackboneConfig, data["backbone"], f"{where}: backbone")),
                 global_batch=int(data["global_batch"]),
-                predicted=Prediction(**_keys(data, "predicted", Prediction, where)),
+                predicted=Prediction(**field_values(Prediction, data["predicted"], f"{where}: predicted")),
                 alternatives=tuple(cls.from_dict(a, f"{where}: alternatives[{i}]")
                                    for i, a in enumerate(data.get("alternatives", ()))),
             )
         except KeyError as exc:
             raise AllocatorError(f"{where}: missing key {exc}") from None
         except AllocatorError as exc:
+            if str(exc).startswith(where):
+                raise
             raise AllocatorError(f"{where}: {exc}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        import yaml
-
-        path = Path(path)
-        if not path.is_file():
-            raise AllocatorError(f"plan file {path} does not exist")
-        text = path.read_text()
-        return cls.from_dict(json.loads(text) if path.suffix == ".json" else yaml.safe_load(text), str(path))
-
-
-def _keys(data: Mapping[str, Any], key: str, cls: type, where: str) -> dict[str, Any]:
-    section = data[key]
-    names = [f.name for f in fields(cls)]
-    if not isinstance(section, Mapping):
-        raise AllocatorError(f"{where}: {key} must be a mapping")
-    missing = [n for n in names if n not in section]
-    if missing:
-        raise AllocatorError(f"{where}: {key} lacks {', '.join(missing)}")
-    return {n: section[n] for n in names}
+        return cls.from_dict(read_data(path), str(path))

@@ -9,11 +9,11 @@ a profile of a tiny model on this machine size a large one (see :mod:`.proxy`).
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .files import field_values, read_data, write_data
 from .specs import AllocatorError
 
 MODULES = ("encoder", "backbone")
@@ -86,31 +86,12 @@ class Profile:
 
     def save(self, path: str | Path) -> Path:
         """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), by suffix."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.to_dict()
-        if path.suffix == ".json":
-            path.write_text(json.dumps(data, indent=1) + "\n")
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
-        else:
-            raise AllocatorError(f"{path}: profile files are .yaml, .yml or .json")
-        return path
+        return write_data(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         """Read a profile file; a bad point is named by its index."""
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_data(path), str(path))
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "profile") -> "Profile":
@@ -125,14 +106,9 @@ class Profile:
 
 
 def _point(data: Any, where: str) -> ProfilePoint:
-    names = [f.name for f in fields(ProfilePoint)]
-    if not isinstance(data, Mapping):
-        raise AllocatorError(f"{where}: expected a mapping")
-    missing = [n for n in names if n not in data]
-    if missing:
-        raise AllocatorError(f"{where}: missing {', '.join(missing)}")
     try:
-        return ProfilePoint(**{n: data[n] for n in names})
+        return ProfilePoint(**field_values(ProfilePoint, data, where))
     except AllocatorError as exc:
+        if str(exc).startswith(where):
+            raise
         raise AllocatorError(f"{where}: {exc}") from None
-
