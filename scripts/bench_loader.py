@@ -37,6 +37,7 @@ from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.conversation import IGNORE
 from mindspeed_flow.data.decode import BadSample, Decoder
 from mindspeed_flow.data.demo import make_demo_corpus
+from mindspeed_flow.data.images import normalize
 from mindspeed_flow.data.source import Corpus
 from mindspeed_flow.data.tokenizer import load_tokenizer
 
@@ -73,7 +74,7 @@ class PadToLongest:
             labels[row, :len(s)] = s.labels
             mask[row, :len(s)] = 1
         return {"input_ids": input_ids, "labels": labels, "attention_mask": mask,
-                "pixel_values": torch.cat([s.pixel_values for s in samples]),
+                "pixel_values": normalize(torch.cat([s.pixel_values for s in samples])),
                 "image_grid_thw": torch.cat([s.image_grid_thw for s in samples])}
 
 

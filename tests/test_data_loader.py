@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mindspeed_flow.data import FlowDataLoader
-from mindspeed_flow.data.images import PATCH, image_tokens, patchify, resized_size
+from mindspeed_flow.data.images import MEAN, PATCH, STD, image_tokens, normalize, patchify, resized_size
 from mindspeed_flow.data.mrope import mrope_position_ids
 from mindspeed_flow.data.source import Corpus
 from mindspeed_flow.data.tokenizer import load_tokenizer
@@ -112,3 +112,12 @@ def test_patchify_rows_are_merge_groups_of_14x14_patches():
         patch = image[y:y + PATCH, x:x + PATCH].transpose(2, 0, 1)  # [C, P, P]
         expected = np.stack([patch, patch], axis=1)  # [C, T=2, P, P]
         assert np.array_equal(rows[r], expected.reshape(-1))
+
+
+def test_normalize_is_clip_mean_std_per_channel_of_each_row():
+    rows = torch.randint(0, 256, (5, 1176), dtype=torch.uint8)
+    out = normalize(rows)
+    assert out.dtype == torch.float32 and out.shape == (5, 1176)
+    channels = rows.numpy().reshape(5, 3, 2 * PATCH * PATCH).astype(np.float64) / 255.0  # row = [C, T, P, P]
+    expected = (channels - MEAN[None, :, None]) / STD[None, :, None]
+    assert np.allclose(out.numpy().reshape(5, 3, -1), expected, atol=1e-5)

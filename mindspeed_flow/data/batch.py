@@ -21,6 +21,7 @@ import torch
 
 from .conversation import IGNORE
 from .decode import Sample
+from .images import normalize
 from .mrope import packed_position_ids
 
 TENSOR_KEYS = ("input_ids", "labels", "attention_mask", "cu_seqlens", "position_ids", "pixel_values",
@@ -41,7 +42,7 @@ def collate_pack(samples: Sequence[Sample]) -> dict[str, Any]:
         "attention_mask": torch.ones(1, len(input_ids), dtype=torch.int64),
         "cu_seqlens": starts.to(torch.int32),
         "position_ids": packed_position_ids([s.position_ids for s in samples]),
-        "pixel_values": torch.cat([s.pixel_values for s in samples]),
+        "pixel_values": normalize(torch.cat([s.pixel_values for s in samples])),
         "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).reshape(-1, 3),
         "sample_ids": [s.sample_id for s in samples],
     }

@@ -34,7 +34,7 @@ class Sample:
     input_ids: torch.Tensor  # int64 [L]
     labels: torch.Tensor  # int64 [L]
     position_ids: torch.Tensor  # int64 [3, L]
-    pixel_values: torch.Tensor  # float32 [sum t*h*w, 1176]
+    pixel_values: torch.Tensor  # uint8 [sum t*h*w, 1176]: images.normalize makes them float32
     image_grid_thw: torch.Tensor  # int64 [N, 3]
     chunk: int = 0  # which chunk of a split sample (0 when not split)
 
@@ -115,7 +115,7 @@ class Decoder:
         position_ids = mrope_position_ids(input_ids, grid_thw if len(grids) else None,
                                           image_token_id=sp.image_pad, vision_start_token_id=sp.vision_start)
         pixel_values = (torch.from_numpy(np.concatenate(pixels)) if pixels
-                        else torch.zeros(0, 1176, dtype=torch.float32))
+                        else torch.zeros(0, 1176, dtype=torch.uint8))
         return Sample(index, place, input_ids, torch.tensor(labels, dtype=torch.int64), position_ids,
                       pixel_values, grid_thw)
 
