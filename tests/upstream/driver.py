@@ -167,14 +167,15 @@ def gradients(model) -> dict[str, torch.Tensor]:
 
 
 def _layer_name(obj) -> str:
-    """``module:qualname`` of one layer, from its code object (``functools.wraps`` copies
-    the wrapped function's names); a wrapt wrapper is named by its wrapper function."""
-    named = getattr(obj, "_self_wrapper", None) or obj
+    """``file:qualname`` of one layer from its code object (``functools.wraps`` copies the
+    wrapped function's names, the code object keeps its own); a wrapt wrapper is named by
+    its wrapper function, prefixed ``wrapt``."""
+    wrapper = getattr(obj, "_self_wrapper", None)
+    named = wrapper or obj
     code = getattr(named, "__code__", None)
     if code is None:
         return f"{type(named).__module__}:{type(named).__qualname__}"
-    module = getattr(named, "__module__", "?")
-    return f"{module}:{code.co_qualname}"
+    return f"{'wrapt ' if wrapper else ''}{code.co_filename}:{code.co_qualname}"
 
 
 def attention_chain() -> dict:

@@ -134,6 +134,7 @@ class UpstreamRun:
     stdout: str
     grads_files: list[Path] = field(default_factory=list)
     initial_weights: Path | None = None
+    report: str = ""  # what was stood in and which stand-in kernels each rank called
 
     @property
     def result(self) -> dict:
@@ -199,8 +200,10 @@ def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | Non
     run = UpstreamRun(workdir, results, output, [Path(spec["grads"].format(rank=r)) for r in ranks],
                       workdir / "initial_{rank}.pt" if save_initial else None)
     standin = run.results[0]["standin"]
-    print(f"[upstream harness] {workdir.name}: plugin={'on' if plugin else 'off'}, stood in "
-          f"({len(standin['stood_in'])}): {', '.join(standin['stood_in'])}")
-    for rank, result in enumerate(run.results):
-        print(f"[upstream harness] {workdir.name} rank {rank}: stand-in kernels called: {result['standin']['called']}")
+    lines = [f"[upstream harness] {workdir.name}: plugin {'on' if plugin else 'off'}; stood in "
+             f"({len(standin['stood_in'])}): {', '.join(standin['stood_in'])}"]
+    lines += [f"[upstream harness] {workdir.name} rank {rank}: stand-in kernels called: "
+              f"{result['standin']['called']}" for rank, result in enumerate(run.results)]
+    run.report = "\n".join(lines)
+    print(run.report)
     return run

@@ -1,0 +1,70 @@
+"""Shared upstream runs for the tests in this folder (each run is a subprocess of 10-40 s,
+so every configuration runs once per session and several tests read it).
+
+The runs need MindSpeed-MM's Python dependencies (transformers==4.57.0, diffusers, peft, ...),
+installed by ``scripts/setup_upstream_env.sh`` into their own environment; ``.ci/run`` runs
+this folder there through ``scripts/test_upstream.sh``, which sets
+``MINDSPEED_FLOW_UPSTREAM_REQUIRED=1`` so that a missing dependency fails instead of skipping.
+Elsewhere (the main suite's environment) the run-based tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from harness import Job, UpstreamRun, run_upstream, sample_specs
+
+MODEL_DEPENDENCIES = ("transformers", "diffusers", "peft", "einops", "regex", "scipy", "sentencepiece", "beartype")
+REQUIRED_ENV = "MINDSPEED_FLOW_UPSTREAM_REQUIRED"
+
+# Three samples of different image grids and text lengths: one per microbatch, or one pack.
+SAMPLES = sample_specs(3)
+# fp32 parameters with --use-flash-attn: MindSpeed's fused-attention path (stand-in kernel).
+FP32 = Job(samples=SAMPLES, precision="fp32", flash_attn=True)
+# Upstream's own bf16 setting without --use-flash-attn: MindSpeed's default attention path
+# (Megatron's core attention, GenerateMaskFeature's wrapper, dense ViT block masks).
+BF16 = Job(samples=SAMPLES, precision="bf16", flash_attn=False)
+
+
+class Runs:
+    """Upstream runs by name, each made on first use; plugin runs load the plain run's
+    initial weights so every run starts from the same parameters."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._done: dict[str, UpstreamRun] = {}
+
+    def _run(self, name: str, job: Job, plugin: bool, like: str | None = None) -> UpstreamRun:
+        if name not in self._done:
+            load = self.get(like).initial_weights if like else None
+            self._done[name] = run_upstream(job, self.root / name, plugin=plugin, load=load)
+        return self._done[name]
+
+    def get(self, name: str) -> UpstreamRun:
+        recipes = {
+            "fp32_plain": (FP32, False, None),
+            "fp32_flow": (FP32, True, "fp32_plain"),
+            "fp32_flow_packed": (replace(FP32, layout="packed"), True, "fp32_plain"),
+            "fp32_plain_packed": (replace(FP32, layout="packed"), False, "fp32_plain"),
+            "bf16_plain": (BF16, False, None),
+            "bf16_flow": (BF16, True, "bf16_plain"),
+        }
+        job, plugin, like = recipes[name]
+        return self._run(name, job, plugin, like)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Runs:
+    missing = [m for m in MODEL_DEPENDENCIES if importlib.util.find_spec(m) is None]
+    if missing:
+        message = (f"upstream harness needs {', '.join(missing)} (MindSpeed-MM's pins): run "
+                   "`bash scripts/test_upstream.sh`, which builds its own environment")
+        if os.environ.get(REQUIRED_ENV):
+            pytest.fail(message)
+        pytest.skip(message)
+    return Runs(tmp_path_factory.mktemp("upstream_runs"))
