@@ -101,7 +101,8 @@ CHILD = textwrap.dedent("""
     resumed = [next(resumed_train)["sample_ids"] for _ in range(30)]
     print(json.dumps({"first": first, "rest": rest, "resumed": resumed, "others": [valid, test],
                       "pending": [pending.samples, pending.microbatches],
-                      "loader": [loader.capacity, loader.dp_size, loader.num_workers, loader.seed, loader.step_packs],
+                      "loader": [loader.capacity, loader.dp_size, loader.num_workers, loader.seed, loader.step_packs,
+                                 loader.window],
                       "path": adapter.loader_state_path(save_dir, 7, 0), "epochs": loader.stats.epochs}))
 """)
 
@@ -112,7 +113,8 @@ def test_swapped_loader_cycles_records_saves_and_resumes_on_megatron(upstream, t
     proc = run_python(CHILD, [str(corpus), str(tmp_path), str(config)],
                       env={"PYTHONPATH": upstream["MEGATRON_LM_SRC"]}, timeout=300)
     out = last_json(proc)
-    assert out["loader"] == [1024, 1, 2, 5, 4]  # --seq-length, DP group, num_workers, --seed, microbatches
+    # --seq-length, DP group, num_workers, --seed, microbatches, the default window
+    assert out["loader"] == [1024, 1, 2, 5, 4, adapter.WINDOW]
     assert out["others"] == [None, None]
     packs = out["first"] + out["rest"]
     assert out["epochs"] >= 1  # 35 packs of 30 samples: the iterator went on into the next epochs
