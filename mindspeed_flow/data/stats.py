@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from mindspeed_flow.packing import PackStats
+
 from .decode import BAD_KINDS
 
 
@@ -33,10 +35,11 @@ class LoaderStats:
     @property
     def fill(self) -> float:
         """Fraction of the yielded packs' token slots (``packs * capacity``) holding tokens."""
-        return self.tokens / (self.packs * self.capacity) if self.packs else 1.0
+        return PackStats(self.capacity, packs=self.packs, tokens=self.tokens).fill
 
     @property
     def padding(self) -> float:
+        """The unused part of the yielded packs' capacity."""
         return 1.0 - self.fill
 
     def to_dict(self) -> dict:
