@@ -1,11 +1,11 @@
 """M-RoPE position ids per sample against MindSpeed-MM's real ``qwen2_5_vl_get_rope_index``.
 
-Upstream's function runs in a child process on the pinned sources (unpacked here by
-``unpack.sh``): MindSpeed-MM's root with Megatron's ``megatron/`` on ``sys.path``, the
-real ``megatron.training.global_vars.set_args`` holding the few model arguments the
-function reads, and ``vlm_attentionmask_for_llm.py`` loaded from its file (importing the
-``mindspeed_mm`` package would run its LoRA patches and need transformers); the only
-stand-in is the name of the NPU device (PrivateUse1 renamed ``npu``).  Each sample
+Upstream's function runs in a child process on the pinned sources (unpacked by
+``unpack.sh``, see ``pinned_upstream``): MindSpeed-MM's root with Megatron's ``megatron/``
+on ``sys.path``, the real ``megatron.training.global_vars.set_args`` holding the few model
+arguments the function reads, and ``vlm_attentionmask_for_llm.py`` loaded from its file
+(importing the ``mindspeed_mm`` package would run its LoRA patches and need transformers);
+the only stand-in is the name of the NPU device (PrivateUse1 renamed ``npu``).  Each sample
 is given to upstream alone as a ``[1, T]`` batch, which is what a packed sample must match.
 """
 
@@ -24,7 +24,7 @@ from mindspeed_flow.data.mrope import (
     mrope_position_ids,
     packed_position_ids,
 )
-from pinned_upstream import unpack
+from pinned_upstream import upstream_sources
 from subprocess_utils import last_json, run_python
 
 VISION_END = 151653
@@ -80,7 +80,7 @@ def case(ids, image=None, video=None, seconds=None) -> dict:
 @pytest.fixture(scope="module")
 def upstream_rope(tmp_path_factory):
     """Run upstream's function over a list of cases; returns their ``[3, T]`` ids."""
-    root = unpack(tmp_path_factory.mktemp("upstream"))["MINDSPEED_MM_SRC"]
+    root = str(upstream_sources().mindspeed_mm)
 
     def run(cases: list[dict]) -> list[torch.Tensor]:
         path = tmp_path_factory.mktemp("cases") / "cases.json"

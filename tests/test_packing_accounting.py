@@ -2,7 +2,8 @@
 
 MindSpeed-MM cannot be installed here, and its ``train`` loop needs an NPU job around it;
 what the tests take from the pinned source (unpacked by ``unpack.sh``) is every piece that
-decides the count: the patch target (``doctor --src``), upstream's own two count
+decides the count: the patch target (``doctor --src``'s check; the CLI itself runs over all
+patches in ``test_doctor``), upstream's own two count
 expressions (the scheduler increment inside ``train_step`` and the ``batch_size`` the loop
 adds after it, read with :mod:`ast` and evaluated on the real Megatron state), Megatron's
 real ``global_vars``, ``parallel_state``, microbatch calculator and
@@ -14,8 +15,6 @@ and advances the scheduler with upstream's increment, which is all of it that co
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,12 +23,14 @@ import pytest
 
 from megatron_cpu_harness import launch
 from mindspeed_flow.data.accounting import ConsumedAccounting, StepTotals, consumed_correction, scheduler_increment
-from pinned_upstream import unpack
+from mindspeed_flow.doctor import check_sources
+from mindspeed_flow.patches import packing_accounting
+from pinned_upstream import upstream_sources
 
 
 @pytest.fixture(scope="module")
-def mindspeed_mm_root(tmp_path_factory) -> Path:
-    return Path(unpack(tmp_path_factory.mktemp("upstream"))["MINDSPEED_MM_SRC"])
+def mindspeed_mm_root() -> Path:
+    return upstream_sources().mindspeed_mm
 
 
 def upstream_count_expressions(training_py: Path) -> dict[str, str]:
@@ -57,11 +58,10 @@ def upstream_count_expressions(training_py: Path) -> dict[str, str]:
 
 
 def test_doctor_src_finds_the_train_step_target(mindspeed_mm_root):
-    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "doctor", "--json", "--src",
-                           str(mindspeed_mm_root)], capture_output=True, text=True, timeout=120)
-    rows = [r for r in json.loads(proc.stdout) if r["feature"] == "packing" and r["target"].endswith(":train_step")]
-    assert [r["status"] for r in rows] == ["found"], rows
-    assert rows[0]["detail"].endswith("mindspeed_mm/training.py:736")
+    """What ``mindspeed-flow doctor --src`` reports for this patch (its check, run in-process)."""
+    (row,) = check_sources(packing_accounting.PATCHES, [mindspeed_mm_root])
+    assert (row.status, row.target) == ("found", "mindspeed_mm.training:train_step")
+    assert row.detail.endswith("mindspeed_mm/training.py:736")
 
 
 def test_upstream_counts_one_sample_per_microbatch_row(mindspeed_mm_root):
@@ -109,8 +109,9 @@ TOKENS_PER_SAMPLE = 10
 
 
 def train_loop_worker(rank: int, world_size: int, root: str, expressions: dict[str, str],
-                      train_iters: int | None, train_samples: int | None) -> dict:
-    """Upstream's counting around ``train_step``, wrapped by the patch, on the pinned Megatron."""
+                      modes: dict[str, tuple[int | None, int | None]]) -> dict:
+    """Upstream's counting around ``train_step``, wrapped by the patch, on the pinned Megatron;
+    one run per mode (``train_iters``, ``train_samples``)."""
     sys.path.insert(0, root)  # the pinned tree: Megatron core_v0.12.1 with megatron.training
     import torch
     import wrapt
@@ -125,29 +126,29 @@ def train_loop_worker(rank: int, world_size: int, root: str, expressions: dict[s
     from mindspeed_flow.data.accounting import record_microbatch
 
     assert mpu.__file__.startswith(root)
-    args = SimpleNamespace(micro_batch_size=1, data_parallel_size=world_size, consumed_train_samples=0,
-                           train_samples=train_samples, train_iters=train_iters, curr_iteration=0,
-                           use_txt_dynamic_batching=False)
-    if train_samples is not None:  # Megatron's update_train_iters
-        args.train_iters = train_samples // (world_size * 2)
-    set_args(args)
 
-    def packing_loader():  # stand-in for the loader: records each microbatch it hands out
-        for samples in PACKS[rank]:
-            record_microbatch(samples, samples * TOKENS_PER_SAMPLE)
-            yield {"sample_ids": list(range(samples))}
+    def run(train_iters: int | None, train_samples: int | None) -> dict:
+        args = SimpleNamespace(micro_batch_size=1, data_parallel_size=world_size, consumed_train_samples=0,
+                               train_samples=train_samples, train_iters=train_iters, curr_iteration=0,
+                               use_txt_dynamic_batching=False)
+        if train_samples is not None:  # Megatron's update_train_iters
+            args.train_iters = train_samples // (world_size * 2)
+        set_args(args)
 
-    def train_step_stand_in(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                            call_backs):
-        for _ in range(get_num_microbatches()):  # what forward_backward_func pulls
-            next(data_iterator)
-        increment = eval(expressions["increment"], {"args": args, "get_num_microbatches": get_num_microbatches})
-        opt_param_scheduler.step(increment=increment)
+        def packing_loader():  # stand-in for the loader: records each microbatch it hands out
+            for samples in PACKS[rank]:
+                record_microbatch(samples, samples * TOKENS_PER_SAMPLE)
+                yield {"sample_ids": list(range(samples))}
 
-    with megatron_parallel():
+        def train_step_stand_in(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                                call_backs):
+            for _ in range(get_num_microbatches()):  # what forward_backward_func pulls
+                next(data_iterator)
+            increment = eval(expressions["increment"], {"args": args, "get_num_microbatches": get_num_microbatches})
+            opt_param_scheduler.step(increment=increment)
+
         init_num_microbatches_calculator(rank, None, world_size * 2, 1, world_size)
-        param = torch.nn.Parameter(torch.zeros(1))
-        optimizer = torch.optim.SGD([param], lr=0.0)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
         scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0,
                                             lr_decay_steps=1000, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
                                             wd_incr_steps=1, wd_incr_style="constant")
@@ -164,8 +165,11 @@ def train_loop_worker(rank: int, world_size: int, root: str, expressions: dict[s
             args.consumed_train_samples += batch_size
             counts.append(args.consumed_train_samples)
         destroy_num_microbatches_calculator()
-    return {"counts": counts, "tokens": args.consumed_train_tokens, "scheduler_steps": scheduler.num_steps,
-            "iterations": iteration}
+        return {"counts": counts, "tokens": args.consumed_train_tokens, "scheduler_steps": scheduler.num_steps,
+                "iterations": iteration}
+
+    with megatron_parallel():
+        return {mode: run(*settings) for mode, settings in modes.items()}
 
 
 def real_counts(steps: int) -> list[int]:
@@ -173,19 +177,19 @@ def real_counts(steps: int) -> list[int]:
     return [sum(per_step[: s + 1]) for s in range(steps)]
 
 
-@pytest.mark.parametrize("mode", ["train_iters", "train_samples"])
-def test_train_step_counts_real_samples_across_dp(mindspeed_mm_root, mode):
+def test_train_step_counts_real_samples_across_dp(mindspeed_mm_root):
     expressions = upstream_count_expressions(mindspeed_mm_root / "mindspeed_mm" / "training.py")
     expected = real_counts(4)  # 4 steps: [15, 29, 42, 53] real samples against 4 per step nominal
     assert expected == [15, 29, 42, 53]
-    if mode == "train_iters":
-        settings, steps = (3, None), 3
-    else:  # a budget of 40 real samples is spent after step 3 (42 >= 40), not after 10 nominal steps
-        settings, steps = (None, 40), 3
-    results = launch(train_loop_worker, 2, str(mindspeed_mm_root), expressions, *settings, timeout_s=240)
+    # --train-iters 3; --train-samples 40: the budget of real samples is spent after step 3
+    # (42 >= 40), not after the 10 steps of 4 nominal samples Megatron derives from it.
+    modes = {"train_iters": (3, None), "train_samples": (None, 40)}
+    results = launch(train_loop_worker, 2, str(mindspeed_mm_root), expressions, modes, timeout_s=240)
     for result in results:
-        assert result["counts"] == expected[:steps]
-        assert result["iterations"] == steps
-        assert result["tokens"] == expected[steps - 1] * TOKENS_PER_SAMPLE
+        for mode, run in result.items():
+            assert run["counts"] == expected[:3], mode
+            assert run["iterations"] == 3, mode
+            assert run["tokens"] == expected[2] * TOKENS_PER_SAMPLE, mode
         # --train-iters: the schedule stays in steps (4 nominal samples each); --train-samples: real samples.
-        assert result["scheduler_steps"] == (4 * steps if mode == "train_iters" else expected[steps - 1])
+        assert result["train_iters"]["scheduler_steps"] == 4 * 3
+        assert result["train_samples"]["scheduler_steps"] == expected[2]
