@@ -135,3 +135,16 @@ def test_bad_profile_names_the_file_and_point(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(AllocatorError, match=r"points\[3\]: missing forward_s"):
         Profile.load(path)
+
+
+def test_rate_bound_is_never_below_the_simulated_rate(proxy):
+    """The bound that lets the solver skip simulations holds for every config, and is
+    tight for one stage (no bubble, one replica)."""
+    workload = Workload(global_batch=48)
+    for tp in (1, 2, 8):
+        for pp in (1, 2, 3, 4, 6, 8):
+            for mbs, dp in ((1, 1), (2, 3), (1, 12), (1, 48)):
+                rate = proxy.backbone(BACKBONE, workload, tp, pp, mbs, dp).rate
+                assert proxy.backbone_rate_bound(BACKBONE, workload, tp, pp, mbs, dp) >= rate * (1 - 1e-12)
+    assert proxy.backbone_rate_bound(BACKBONE, workload, 2, 1, 1, 1) == pytest.approx(
+        proxy.backbone(BACKBONE, workload, 2, 1, 1, 1).rate)

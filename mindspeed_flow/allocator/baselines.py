@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from . import memory
 from .candidates import candidates, divisors
 from .memory import MemoryEstimate
-from .pipeline import HEAD_REGION, LAYERS_REGION, PipelineLayout, pipeline_step, stage_seconds
+from .pipeline import HEAD_REGION, LAYERS_REGION, PipelineLayout, pipeline_step, step_lower_bound
 from .proxy import ProxyModel
 from .specs import ClusterSpec, ModelSpec, Workload
 
@@ -75,8 +75,8 @@ def _colocated_memory(model: ModelSpec, workload: Workload, tp: int, dp: int, mb
 def megatron_uniform(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel,
                      workload: Workload) -> BaselineResult | None:
     """The best single strategy for the whole model (see the module docstring).  Every
-    config is considered; they are simulated best rate bound first (the busiest stage's
-    compute), stopping once no bound reaches the best simulated rate."""
+    config is considered; they are simulated best rate bound first
+    (:func:`.pipeline.step_lower_bound`), stopping once no bound reaches the best rate."""
     enc, bb = model.encoder, model.backbone
     node = cluster.devices_per_node
     options = []
@@ -94,7 +94,6 @@ def megatron_uniform(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel,
                 split = colocated_split(vit.forward, costs[0].forward / bb.layers, bb.layers, enc.layers, pp)
                 layout = PipelineLayout(((VIT_REGION, enc.layers, enc.trainable), (LAYERS_REGION, bb.layers, True),
                                          (HEAD_REGION, 1, True)), split[:-1] + (split[-1] + 1,))
-                busiest = max(stage_seconds(layout, (vit,) + costs, with_backward=True))
                 stage0 = enc.params + (split[0] - enc.layers) * bb.layer_params + bb.vocab * bb.hidden
                 for dp in divisors(workload.global_batch // mbs):
                     if tp * pp * dp > cluster.devices:
@@ -103,7 +102,7 @@ def megatron_uniform(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel,
                         continue  # even one microbatch in flight does not fit
                     reduce = proxy.gradient_reduce_seconds(stage0, tp, dp)
                     microbatches = workload.global_batch // (dp * mbs)
-                    bound = workload.global_batch / (microbatches * busiest + reduce)
+                    bound = workload.global_batch / (step_lower_bound(layout, (vit,) + costs, microbatches) + reduce)
                     options.append((bound, tp, pp, mbs, dp, split, layout, (vit,) + costs, reduce))
     best: BaselineResult | None = None
     for bound, tp, pp, mbs, dp, split, layout, costs, reduce in sorted(options, key=lambda o: -o[0]):

@@ -93,6 +93,16 @@ def stage_seconds(layout: PipelineLayout, costs: tuple[RegionCost, ...], with_ba
     return out
 
 
+def step_lower_bound(layout: PipelineLayout, costs: tuple[RegionCost, ...], microbatches: int) -> float:
+    """No schedule of this layout is shorter: stage ``s`` cannot start before the first
+    microbatch's forward has passed the stages before it, then does all its own work, and
+    the last microbatch's backward must still pass back through those stages; so the step
+    is at least ``max_s (sum_{t<s} work_t + microbatches * work_s)`` (transfers taken as
+    free).  Used to skip simulating configs that cannot matter, never as a cost."""
+    work = stage_seconds(layout, costs, with_backward=True)
+    return max(sum(work[:s]) + microbatches * work[s] for s in range(len(work)))
+
+
 TRANSFER_SHARE = 0.05  # transfers below this share of a stage's forward: compute-bound
 
 

@@ -25,7 +25,7 @@ from statistics import median
 
 from . import memory
 from .memory import MemoryEstimate
-from .pipeline import PipelineStep, backbone_layout, pipeline_step, stage_seconds, uniform_split
+from .pipeline import PipelineStep, backbone_layout, pipeline_step, step_lower_bound, uniform_split
 from .profile import Profile
 from .specs import AllocatorError, ClusterSpec, ModuleSpec, Workload
 from mindspeed_flow.schedule import Link, RegionCost
@@ -170,13 +170,12 @@ class ProxyModel:
 
     def backbone_rate_bound(self, spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int,
                             dp: int) -> float:
-        """An upper bound on :meth:`backbone`'s rate without simulating: no step is shorter
-        than the busiest rank's compute (the last stage: its layers and the head, for every
-        microbatch) plus the gradient reduce, whatever the bubble."""
-        costs = self.backbone_costs(spec, tp, micro_batch)
-        busiest = max(stage_seconds(backbone_layout(spec.layers, pp, spec.trainable), costs, with_backward=True))
+        """An upper bound on :meth:`backbone`'s rate without simulating (see
+        :func:`.pipeline.step_lower_bound`), plus the gradient reduce."""
         microbatches = workload.global_batch // (dp * micro_batch)
-        return workload.global_batch / (microbatches * busiest + self._gradient_reduce(spec, tp, pp, dp))
+        shortest = step_lower_bound(backbone_layout(spec.layers, pp, spec.trainable),
+                                    self.backbone_costs(spec, tp, micro_batch), microbatches)
+        return workload.global_batch / (shortest + self._gradient_reduce(spec, tp, pp, dp))
 
     @staticmethod
     def backbone_memory(spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int, dp: int,
