@@ -56,7 +56,8 @@ class BestFitPacker:
         ``length`` is an int, a numpy integer or a 0-d integer tensor (anything else is a
         ``TypeError`` naming the item).  An item refused with an error leaves the packer
         (and its stats) as it was."""
-        length = as_length(length, f"length of item {item_id!r}")
+        if type(length) is not int:  # the common case skips the call
+            length = as_length(length, f"length of item {item_id!r}")
         chunks = admit(item_id, length, self.capacity, self.overlong, self.stats)
         self.stats.items += 1
         closed: list[list[Hashable]] = []

@@ -39,7 +39,8 @@ class CapacityTree:
 
     def add(self, value: int) -> None:
         """Mark ``value`` present (idempotent)."""
-        value = as_int(value)
+        if type(value) is not int:
+            value = as_int(value)
         for level in self._levels:
             word, bit = value >> _SHIFT, value & _MASK
             before = level[word]
@@ -50,7 +51,8 @@ class CapacityTree:
 
     def remove(self, value: int) -> None:
         """Mark ``value`` absent (idempotent)."""
-        value = as_int(value)
+        if type(value) is not int:
+            value = as_int(value)
         for level in self._levels:
             word, bit = value >> _SHIFT, value & _MASK
             after = level[word] & ~(1 << bit)
@@ -60,12 +62,14 @@ class CapacityTree:
             value = word
 
     def __contains__(self, value: int) -> bool:
-        value = as_int(value)
+        if type(value) is not int:
+            value = as_int(value)
         return bool((self._levels[0][value >> _SHIFT] >> (value & _MASK)) & 1)
 
     def successor(self, value: int) -> int:
         """Smallest present value ``>= value``, or -1 when there is none."""
-        value = as_int(value)
+        if type(value) is not int:
+            value = as_int(value)
         levels = self._levels
         depth = len(levels)
         level = 0
