@@ -16,6 +16,7 @@ the environment finds a plugin flag, and imports nothing of the plugin otherwise
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from typing import Sequence
@@ -33,6 +34,17 @@ def autoload() -> None:
         activate(sys.argv[1:])
 
 
+def put_script_folder_first(script: str) -> None:
+    """``sys.path[0]`` as ``python SCRIPT`` sets it: the script's folder (symlinks resolved)
+    instead of the working directory that ``python -m`` put there.  MindSpeed-MM keeps its
+    ``megatron/`` copy beside ``pretrain_vlm.py``, so this decides which Megatron is imported."""
+    folder = os.path.dirname(os.path.realpath(script))
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path[0] = folder
+    else:
+        sys.path.insert(0, folder)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -43,10 +55,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if run_module and len(argv) < 2:
         raise SystemExit(USAGE)
     target, script_args = (argv[1], argv[2:]) if run_module else (argv[0], argv[1:])
+    if not run_module:
+        put_script_folder_first(target)
 
     from mindspeed_flow.patches import activate
 
-    activate(script_args)
+    activate(script_args)  # after the path is set: upstream beside the script is checked now
     sys.argv = [target, *script_args]
     if run_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -5,7 +5,11 @@ Life of a target (``module:qualname``):
 1. ``enable(features)`` marks the features' patches enabled.  A target whose module is
    already imported is checked and swapped at once; for any other, the source is checked
    now (found through ``sys.path`` without importing it) and a
-   ``wrapt.register_post_import_hook`` swaps it the moment the module is imported.
+   ``wrapt.register_post_import_hook`` swaps it the moment the module is imported.  When
+   the upstream package is not on ``sys.path`` yet (the ``.pth`` hook runs before Python
+   puts the script's folder there, and MindSpeed-MM keeps Megatron beside its script), the
+   source check waits for the import of the package's top level and runs then, before any
+   target module is imported; until then the report says so.
 2. Swapping builds one chain per target: the original (or the single ``replacement``), then
    each wrapper in ascending ``(order, feature)``, innermost first.  Enabling another
    feature on an applied target rebuilds the chain from the original, so applying is
@@ -75,6 +79,8 @@ class PatchRegistry:
         self._applied: dict[str, _Applied] = {}
         self._skipped: dict[str, PatchStatus] = {}
         self._hooked_modules: set[str] = set()
+        # Source checks waiting for their top-level package to become importable.
+        self._unchecked: dict[str, list[Patch]] = defaultdict(list)
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ queries
@@ -115,6 +121,10 @@ class PatchRegistry:
                 where = f"{len(self._applied[patch.target].aliases)} alias(es) rebound"
             elif status == PENDING:
                 where = f"waiting for import of {patch.module}"
+                top = patch.module.split(".")[0]
+                if patch in self._unchecked.get(top, ()):
+                    where += (f"; source not checked yet: {top!r} was not on sys.path at activation "
+                              f"(checked when {top} is imported)")
             version = upstream_version(patch.module) if patch.module in sys.modules else ""
             rows.append(PatchStatus(patch.feature, patch.target, status, where, version, patch.optional))
         return rows
@@ -150,6 +160,7 @@ class PatchRegistry:
                 self._restore_target(target)
             self._enabled.clear()
             self._skipped.clear()
+            self._unchecked.clear()
 
     def refresh(self) -> list[str]:
         """Re-apply patches that another patcher replaced after us; returns their targets.
@@ -181,6 +192,22 @@ class PatchRegistry:
         # wrapt has no unregister: the hook stays and does nothing once features are disabled.
         wrapt.register_post_import_hook(self._on_import, module_name)
 
+    def _hook_top(self, top: str) -> None:
+        key = f"top:{top}"
+        if key not in self._hooked_modules:
+            self._hooked_modules.add(key)
+            wrapt.register_post_import_hook(self._on_top_import, top)
+
+    def _on_top_import(self, package: Any) -> None:
+        """The deferred source checks of one upstream package, now that it is importable."""
+        with self._lock:
+            waiting = self._unchecked.pop(package.__name__, [])
+            groups = self._by_target()
+            for patch in waiting:
+                if patch in groups.get(patch.target, ()) and patch.target not in self._applied \
+                        and patch.module not in sys.modules:
+                    self._precheck_source(patch)
+
     def _on_import(self, module: Any) -> None:
         with self._lock:
             targets = [t for t, ps in self._by_target().items() if ps[0].module == module.__name__]
@@ -190,9 +217,14 @@ class PatchRegistry:
 
     def _precheck_source(self, patch: Patch) -> None:
         """Before the module is imported, check what its source on ``sys.path`` says."""
-        roots = installed_roots(patch.module.split(".")[0])
-        if not roots:
-            return  # upstream not installed: nothing to check, nothing will be applied
+        top = patch.module.split(".")[0]
+        roots = installed_roots(top)
+        if not roots:  # not importable yet (or not installed): check when the package is imported
+            if patch not in self._unchecked[top]:
+                self._unchecked[top].append(patch)
+            if top != patch.module:
+                self._hook_top(top)
+            return
         result = check_source(patch, roots, upstream_version(patch.module))
         if result.status != NOT_INSTALLED:  # a package without that module: wait and see
             self._accept_or_fail(patch, result)
