@@ -35,11 +35,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from typing import Callable  # noqa: E402
+
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from megatron_cpu_harness import launch  # noqa: E402
+from tiny_vlm import TextStage, ViT, forward_step  # noqa: E402
 from mindspeed_flow.runtime import measured_result  # noqa: E402
 from mindspeed_flow.runtime.layout import plan_for  # noqa: E402
 from mindspeed_flow.schedule import CostTable, Jitter, OneFOneB, Region, RegionCost, Transpose, simulate  # noqa: E402
@@ -73,47 +75,15 @@ def _busy(seconds: float, log: list) -> None:
     log.append(time.monotonic() - start)
 
 
-class ViT(nn.Module):
-    def __init__(self, hidden: int, log: list) -> None:
-        super().__init__()
-        self.patch, self.layer, self.projector = nn.Linear(PATCH_DIM, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
-        self.log = log
+def device_time(log: list) -> Callable:
+    """The emulated device compute of the tiny VLM's modules: the ViT's seeded jittery
+    time per microbatch, a fixed time per LLM stage; backward ``BACKWARD_RATIO`` times."""
 
-    def set_input_tensor(self, tensors: list) -> None:
-        pass
+    def apply(output: torch.Tensor, batch: dict, role: str) -> torch.Tensor:
+        seconds = VIT.sample(int(batch["index"])) if role == "vit" else LLM_FORWARD
+        return DeviceTime.apply(output, seconds, BACKWARD_RATIO * seconds, log)
 
-    def forward(self, batch: dict) -> torch.Tensor:
-        out = self.projector(torch.tanh(self.layer(self.patch(batch["pixels"]))))
-        seconds = VIT.sample(int(batch["index"]))
-        return DeviceTime.apply(out, seconds, BACKWARD_RATIO * seconds, self.log)
-
-
-class TextStage(nn.Module):
-    """A GPTModel stage; stage 0 puts the image embeddings in front of the text, and with
-    ``vit`` set runs the ViT itself (Megatron's layout: the ViT inside stage 0)."""
-
-    def __init__(self, gpt: nn.Module, first: bool, log: list, vit: nn.Module | None = None) -> None:
-        super().__init__()
-        self.gpt, self.first, self.log, self.vit = gpt, first, log, vit
-        self.config, self.model_type = gpt.config, gpt.model_type
-        self.image = None
-
-    def set_input_tensor(self, tensors: list) -> None:
-        if self.first:
-            self.image = tensors[0]
-        else:
-            self.gpt.set_input_tensor(tensors)
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        positions = torch.arange(PATCHES + TEXT).unsqueeze(0)
-        labels = batch["labels"] if self.gpt.post_process else None
-        if self.first:
-            image = self.vit(batch) if self.vit is not None else self.image
-            text = self.gpt.embedding(input_ids=batch["tokens"], position_ids=positions[:, -TEXT:])
-            out = self.gpt(None, positions, None, decoder_input=torch.cat([image.unsqueeze(1), text]), labels=labels)
-        else:
-            out = self.gpt(None, positions, None, labels=labels)
-        return DeviceTime.apply(out, LLM_FORWARD, BACKWARD_RATIO * LLM_FORWARD, self.log)
+    return apply
 
 
 def _batches(count: int, vocab: int) -> list[dict]:
@@ -121,16 +91,6 @@ def _batches(count: int, vocab: int) -> list[dict]:
     return [{"pixels": torch.randn(PATCHES, PATCH_DIM, generator=g),
              "tokens": torch.randint(0, vocab, (1, TEXT), generator=g),
              "labels": torch.randint(0, vocab, (1, PATCHES + TEXT), generator=g), "index": m} for m in range(count)]
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-
-    def loss_func(output):
-        loss = output[:, PATCHES:].float().mean()
-        return loss, {"loss": loss.detach().clone()}
-
-    return model(batch), loss_func
 
 
 def transpose_regions() -> list[Region]:
@@ -151,9 +111,9 @@ def _worker(rank: int, world_size: int, microbatches: int, steps: int) -> dict:
         gpt = build_stage_model(spec)
         log: list = []
         torch.manual_seed(9)
-        vit = ViT(spec.hidden_size, log)
-        text = TextStage(gpt, rank == 0, log)
-        with_vit = TextStage(gpt, rank == 0, log, vit if rank == 0 else None)
+        vit = ViT(spec.hidden_size, PATCH_DIM, device_time(log))
+        text = TextStage(gpt, rank == 0, device_time=device_time(log))
+        with_vit = TextStage(gpt, rank == 0, vit if rank == 0 else None, device_time(log))
         plan = plan_for(transpose_regions(), microbatches)
         executor = Executor(rank, list(range(world_size)))
         batches = _batches(microbatches, spec.vocab_size)
@@ -163,13 +123,13 @@ def _worker(rank: int, world_size: int, microbatches: int, steps: int) -> dict:
             data = iter(batches)
             if config == "megatron":
                 schedules.forward_backward_pipelining_without_interleaving(
-                    forward_step_func=_forward_step, data_iterator=data, model=with_vit, **common)
+                    forward_step_func=forward_step, data_iterator=data, model=with_vit, **common)
                 return None
             if config == "ours-1f1b":
-                adapter.flow_forward_backward(forward_step_func=_forward_step, data_iterator=data, model=with_vit, **common)
+                adapter.flow_forward_backward(forward_step_func=forward_step, data_iterator=data, model=with_vit, **common)
                 return adapter.SETTINGS.last_timeline
             bindings = {("vit", 0): Binding(vit, data), ("llm", rank): Binding(text, data)}
-            return executor.run(plan, _forward_step, bindings).timeline
+            return executor.run(plan, forward_step, bindings).timeline
 
         for step in tqdm(range(steps + 1), desc=f"r{rank} steps", disable=rank != 0, file=sys.stderr):
             for config in CONFIGS:

@@ -15,7 +15,8 @@ import importlib.util
 
 import pytest
 import torch
-from torch import nn
+
+from tiny_vlm import TextStage, ViT, forward_step
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
@@ -34,48 +35,6 @@ def _spec():
     return TinyGPTSpec(num_microbatches=MICROBATCHES, seq_length=max(PATCHES) + TEXT, micro_batch_size=1)
 
 
-class ViT(nn.Module):
-    """Patch embedding, one tanh layer and a projector to the LLM's hidden size."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.patch = nn.Linear(PATCH_DIM, hidden)
-        self.layer = nn.Linear(hidden, hidden)
-        self.projector = nn.Linear(hidden, hidden)
-
-    def set_input_tensor(self, tensors: list) -> None:
-        assert tensors == [None]
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        return self.projector(torch.tanh(self.layer(self.patch(batch["pixels"]))))
-
-
-class TextStage(nn.Module):
-    """A GPTModel stage; the first puts the image embeddings (its pipeline input) in front
-    of the token embeddings and feeds the decoder through ``decoder_input``."""
-
-    def __init__(self, gpt: nn.Module, first: bool) -> None:
-        super().__init__()
-        self.gpt, self.first = gpt, first
-        self.image: torch.Tensor | None = None
-
-    def set_input_tensor(self, tensors: list) -> None:
-        if self.first:
-            self.image = tensors[0]
-        else:
-            self.gpt.set_input_tensor(tensors)
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        n = batch["pixels"].shape[0] + TEXT
-        positions = torch.arange(n).unsqueeze(0)
-        labels = batch["labels"] if self.gpt.post_process else None
-        if not self.first:
-            return self.gpt(None, positions, None, labels=labels)
-        text = self.gpt.embedding(input_ids=batch["tokens"], position_ids=positions[:, -TEXT:])
-        x = torch.cat([self.image.unsqueeze(1), text])  # [S, B=1, H]
-        return self.gpt(None, positions, None, decoder_input=x, labels=labels)
-
-
 def _batches(spec):
     g = torch.Generator().manual_seed(11)
     return [{"pixels": torch.randn(p, PATCH_DIM, generator=g),
@@ -84,20 +43,9 @@ def _batches(spec):
             for p in PATCHES]
 
 
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    image = batch["patches"]
-
-    def loss_func(output):  # text positions only
-        loss = output[:, image:].float().mean()
-        return loss, {"loss": loss.detach().clone()}
-
-    return model(batch), loss_func
-
-
 def _vit(spec, frozen):
     torch.manual_seed(5)
-    vit = ViT(spec.hidden_size)
+    vit = ViT(spec.hidden_size, PATCH_DIM)
     vit.requires_grad_(not frozen)
     return vit
 
@@ -118,21 +66,8 @@ def _reference_run(frozen):
         vit = _vit(spec, frozen)
         state = full_state_dict(gpt)
 
-        class Whole(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.vit, self.text = vit, TextStage(gpt, first=True)
-                self.config, self.model_type = gpt.config, gpt.model_type  # what Megatron's schedule reads
-
-            def set_input_tensor(self, tensors):
-                pass
-
-            def forward(self, batch):
-                self.text.set_input_tensor([self.vit(batch)])
-                return self.text(batch)
-
         losses = forward_backward_no_pipelining(
-            forward_step_func=_forward_step, data_iterator=iter(_batches(spec)), model=Whole(),
+            forward_step_func=forward_step, data_iterator=iter(_batches(spec)), model=TextStage(gpt, True, vit),
             num_microbatches=MICROBATCHES, seq_length=spec.seq_length, micro_batch_size=1)
         grads = {f"gpt.{n}": p.grad.clone() for n, p in gpt.named_parameters()}
         grads.update({f"vit.{n}": p.grad.clone() for n, p in vit.named_parameters() if p.grad is not None})
@@ -161,7 +96,7 @@ def _pipelined_run(rank, world_size, state, frozen):
         plan = plan_for(vlm_layout([3, 0], [2, 2], transpose=True, vision_trainable=not frozen), MICROBATCHES)
         data = iter(_batches(spec))
         bindings = {("vit", 0): Binding(vit, data), ("llm", rank): Binding(TextStage(gpt, rank == 0), data)}
-        result = Executor(rank, [0, 1]).run(plan, _forward_step, bindings)
+        result = Executor(rank, [0, 1]).run(plan, forward_step, bindings)
         offset = layer_offset(gpt)
         grads = {f"gpt.{global_name(n, offset)}": p.grad.clone() for n, p in gpt.named_parameters()}
         grads.update({f"vit.{n}": p.grad.clone() for n, p in vit.named_parameters() if p.grad is not None})
