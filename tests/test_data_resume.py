@@ -74,13 +74,14 @@ def test_state_dict_round_trips_through_torch_save(corpus, reference, tmp_path):
     assert before + [b["sample_ids"] for b in resumed] == reference[0]
 
 
-@pytest.mark.parametrize("change", [{"dp_size": 2}, {"num_workers": 1}, {"capacity": 2048}, {"seed": 12}])
+@pytest.mark.parametrize("change", [{"dp_size": 2}, {"num_workers": 1}, {"capacity": 2048}, {"seed": 12},
+                                    {"overlong": "drop"}, {"max_pixels": 112 * 112}])
 def test_resume_with_other_settings_is_refused_naming_them(corpus, change):
     saved = FlowDataLoader(corpus, None, num_workers=0, **SETTINGS).state_dict()
     settings = {**SETTINGS, "num_workers": 0, **change}
     other = FlowDataLoader(corpus, None, **settings)
     key = next(iter(change))
-    with pytest.raises(ValueError, match=f"{key}: saved .* now {change[key]}"):
+    with pytest.raises(ValueError, match=f"cannot resume .*{key}: saved .* now {change[key]!r}"):
         other.load_state_dict(saved)
 
 

@@ -15,9 +15,10 @@ which is deterministic, instead of storing pixels), and the counters.  A resumed
 yields exactly the packs the uninterrupted one would have yielded.
 
 Resuming with a different ``dp_size``, ``dp_rank``, ``num_workers``, ``seed``,
-``capacity``, ``window`` or corpus size is refused with an error naming what differs: the
-remaining samples of the epoch are spread over every rank's state, and re-sharding them
-would need all ranks' states at once.
+``capacity``, ``window``, ``overlong``, pixel bounds or corpus size is refused with an
+error naming what differs.  A new DP layout is refused because the epoch's remaining
+samples are spread over every rank's state and re-sharding them would need all ranks'
+states at once; the other settings change the order or the lengths of held samples.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ log = logging.getLogger("mindspeed_flow.data")
 
 STATE_FORMAT = 1
 # Settings that must match on resume (see the module docstring).
-RESUME_KEYS = ("dp_rank", "dp_size", "num_workers", "seed", "capacity", "window", "corpus_size", "shuffle")
+RESUME_KEYS = ("dp_rank", "dp_size", "num_workers", "seed", "capacity", "window", "corpus_size", "shuffle",
+               "overlong", "min_pixels", "max_pixels")
 Key = tuple[int, int]  # (record index, chunk)
 
 
@@ -237,8 +239,9 @@ class FlowDataLoader:
     # ------------------------------------------------------------------ state
     def _settings(self) -> dict[str, Any]:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers, "seed": self.seed,
-                "capacity": self.capacity, "window": self.window, "shuffle": self.shuffle,
-                "corpus_size": len(self._decoder.corpus) if self.decoding else None}
+                "capacity": self.capacity, "window": self.window, "shuffle": self.shuffle, "overlong": self.overlong,
+                **({"corpus_size": len(self._decoder.corpus), "min_pixels": self._decoder.min_pixels,
+                    "max_pixels": self._decoder.max_pixels} if self.decoding else {})}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot to resume from (see the module docstring); peers that only receive
@@ -263,11 +266,11 @@ class FlowDataLoader:
             raise ValueError(f"loader state format {state.get('format')!r} is not {STATE_FORMAT}")
         mine = self._settings()
         differ = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in RESUME_KEYS
-                  if self.decoding and state.get(k) != mine[k]]
+                  if k in mine and state.get(k) != mine[k]]
         if differ:
             raise ValueError("cannot resume this loader state: " + "; ".join(differ) +
-                             " (resuming with other DP or worker settings is not supported: the epoch's "
-                             "remaining samples are spread over all ranks' states)")
+                             " (resume with the saved settings; a new DP layout would need every rank's state "
+                             "to re-shard the epoch's remaining samples)")
         if not self.decoding:
             return
         self._live = None  # an unfinished loop's position is replaced by the saved one
