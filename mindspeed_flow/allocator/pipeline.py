@@ -10,7 +10,7 @@ Megatron-style baseline, the ViT, the layers and the head with the ViT inside st
 Composed plans are cached per (layout, microbatches); simulated steps per (layout,
 microbatches, costs).  Long steps are not composed in full: from ``stages`` microbatches
 on, a compute-bound 1F1B step grows by the same amount per extra microbatch, so the step of
-``m >= stages`` microbatches is read off the line through the simulated steps at
+``m > 3 stages`` microbatches is read off the line through the simulated steps at
 ``stages`` and ``2 stages`` microbatches, once a third simulated step (``3 stages``)
 confirms the line; otherwise all ``m`` are simulated.  The tests check this against
 simulating all ``m`` microbatches, compute-bound and transfer-bound.
@@ -129,7 +129,8 @@ def pipeline_step(layout: PipelineLayout, microbatches: int, costs: tuple[Region
                   link: Link) -> PipelineStep:
     """The step of ``microbatches`` microbatches: simulated, or read off the steady line."""
     stages = layout.stages
-    line = steady_line(layout, costs, link) if microbatches >= stages else None
+    # Up to 3 stages' worth, one full simulation costs no more than checking the line.
+    line = steady_line(layout, costs, link) if microbatches > 3 * stages else None
     if line is None:
         return simulated(layout, microbatches, costs, link)
     near, far = line
