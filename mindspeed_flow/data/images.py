@@ -92,7 +92,7 @@ _SCALE, _OFFSET = _column_affine()
 
 def normalize(rows: torch.Tensor) -> torch.Tensor:
     """uint8 patch rows -> the float32 ``pixel_values`` the vision encoder takes (CLIP mean/std)."""
-    return torch.addcmul(_OFFSET, rows.to(torch.float32), _SCALE)
+    return torch.addcmul(_OFFSET, rows, _SCALE)  # one pass: uint8 is promoted on the fly
 
 
 def patchify(image: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
