@@ -24,6 +24,7 @@ Duration = Callable[[Action, Visit], float]
 # A compute in the merge's dependency graph: ("F" or "B", microbatch, index on its path).
 Node = tuple[str, int, int]
 
+_BACKWARD_KINDS = {kind.value: kind for kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)}
 _UNIT = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0}
 
 
@@ -126,7 +127,7 @@ def _expand(
         return [Action(Kind.FORWARD, name, stage, microbatch) for name, _ in slices]
     part = slice(0, 1) if phase == "B" else slice(1, None)
     return [
-        Action(Kind(letter), name, stage, microbatch)
+        Action(_BACKWARD_KINDS[letter], name, stage, microbatch)
         for name, _ in reversed(slices)
         for letter in (backward[name] or "")[part]
     ]
@@ -175,31 +176,37 @@ def merge(
     blocked: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)  # input -> (rank, order, stamp)
     total = sum(len(s) for ss in rank_streams.values() for s in ss)
 
-    def inputs(step: Node) -> list[Node]:
+    def inputs(step: Node) -> tuple[Node | None, ...]:
+        """What a step waits for (``None``: nothing in that place)."""
         phase, m, k = step
-        wait = [extra[step]] if step in extra else []
+        wait = extra.get(step)
         if phase == "F":
-            return wait + ([("F", m, k - 1)] if k > 0 else [])
+            return wait, ("F", m, k - 1) if k > 0 else None
         if phase == "W":  # the weight gradients follow the input gradients of the visit
-            return [("B", m, k)] + wait
-        after = [("B", m, k + 1)] if k + 1 < len(has_backward[m]) and has_backward[m][k + 1] else []
-        return [("F", m, k)] + after + wait
+            return ("B", m, k), wait
+        after = ("B", m, k + 1) if k + 1 < len(has_backward[m]) and has_backward[m][k + 1] else None
+        return ("F", m, k), after, wait
+
+    needs = {rank: [[inputs(step) for step in stream] for stream in ss] for rank, ss in nodes.items()}
 
     def key(rank: int, s: int) -> None:
         """(Re)place the next step of order ``s`` on ``rank``: on the heap if its inputs are
         done, else under the first input it lacks."""
-        stream = nodes[rank][s]
-        if heads[rank][s] == len(stream):
+        head = heads[rank][s]
+        if head == len(nodes[rank][s]):
             return
         stamp[(rank, s)] = current = stamp[(rank, s)] + 1
-        step = stream[heads[rank][s]]
         start = free[rank]
-        for need in inputs(step):
-            if need not in finish:
+        for need in needs[rank][s][head]:
+            if need is None:
+                continue
+            done = finish.get(need)
+            if done is None:
                 blocked[need].append((rank, s, current))
                 return
-            start = max(start, finish[need])
-        heapq.heappush(ready, (start, -step[2], rank, s, current))
+            if done > start:
+                start = done
+        heapq.heappush(ready, (start, -nodes[rank][s][head][2], rank, s, current))
 
     for rank, ss in rank_streams.items():
         for s in range(len(ss)):
@@ -216,7 +223,7 @@ def merge(
         finish[done] = free[rank] = start + duration(action, paths[m][k])
         order[rank].append(Timed(action, start, free[rank], pick))
         heads[rank][s] += 1
-        for other in range(len(rank_streams[rank])):
+        for other in range(len(nodes[rank])):
             key(rank, other)
         for waiter, t, was in blocked.pop(done, ()):
             if stamp[(waiter, t)] == was:
