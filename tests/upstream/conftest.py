@@ -51,6 +51,7 @@ class Runs:
             "fp32_flow": (FP32, True, "fp32_plain"),
             "fp32_flow_packed": (replace(FP32, layout="packed"), True, "fp32_plain"),
             "fp32_plain_packed": (replace(FP32, layout="packed"), False, "fp32_plain"),
+            "fp32_flow_packed_pp2": (replace(FP32, layout="packed", pp=2), True, "fp32_plain"),
             "bf16_plain": (BF16, False, None),
             "bf16_flow": (BF16, True, "bf16_plain"),
         }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from copy import deepcopy
 from pathlib import Path
@@ -155,15 +156,57 @@ def train_step(model) -> dict:
     return result
 
 
+# Layer lists whose names restart at 0 on every pipeline stage, and the JSON part that says
+# how many layers each stage holds.
+STAGED_LAYERS = {"text_decoder.decoder.layers.": ("text_decoder",),
+                 "image_encoder.encoder.blocks.layers.": ("image_encoder", "vision_encoder")}
+
+
+def _layers_before_this_stage(path: tuple[str, ...]) -> int:
+    from megatron.core import mpu
+    from megatron.training import get_args
+
+    part = get_args().mm.model
+    for key in path:
+        part = getattr(part, key)
+    return sum(part.pipeline_num_layers[: mpu.get_pipeline_model_parallel_rank()])
+
+
+def global_name(name: str) -> str:
+    """A parameter's name as in a single-stage model: stage-local layer numbers made global,
+    so that runs with different pipeline sizes compare name for name."""
+    for prefix, path in STAGED_LAYERS.items():
+        match = re.search(re.escape(prefix) + r"(\d+)\.", name)
+        if match:
+            number = int(match.group(1)) + _layers_before_this_stage(path)
+            return name[: match.start(1)] + str(number) + name[match.end(1):]
+    return name
+
+
 def gradients(model) -> dict[str, torch.Tensor]:
-    """fp32 main gradients (what the optimizer would read) by parameter name."""
+    """fp32 main gradients (what the optimizer would read) by global parameter name."""
     grads = {}
     for chunk in model:
         for name, param in chunk.named_parameters():
             grad = getattr(param, "main_grad", None)
             if grad is not None:
-                grads[name] = grad.detach().float().clone()
+                grads[global_name(name)] = grad.detach().float().clone()
     return grads
+
+
+def load_initial_weights(model) -> None:
+    """This stage's share of a saved state (saved by a run of any pipeline size)."""
+    saved: dict = {}
+    for state in torch.load(JOB["load"].format(rank=0), weights_only=False):
+        saved.update(state)
+    for chunk in unwrapped(model):
+        local = chunk.state_dict()
+        chunk.load_state_dict({key: saved[global_name(key)] for key in local})
+
+
+def save_initial_weights(model) -> None:
+    torch.save([{global_name(k): v for k, v in chunk.state_dict().items()} for chunk in unwrapped(model)],
+               rank_path("save"))
 
 
 def _layer_name(obj) -> str:
@@ -233,10 +276,9 @@ def main() -> None:
     initialise()
     model = get_model(model_provider, ModelType.encoder_or_decoder)
     if JOB.get("load"):  # the same initial weights in every run, whatever RNG the patches use
-        for chunk, state in zip(unwrapped(model), torch.load(rank_path("load"), weights_only=False)):
-            chunk.load_state_dict(state)
+        load_initial_weights(model)
     if JOB.get("save"):
-        torch.save([chunk.state_dict() for chunk in unwrapped(model)], rank_path("save"))
+        save_initial_weights(model)
     captured = capture_outputs(model)
     result = train_step(model)
     torch.save(captured, rank_path("captures"))

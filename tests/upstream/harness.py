@@ -97,9 +97,9 @@ class Job:
         # any case); in fp32 runs the flag stays on for the text decoder only, where with
         # --use-flash-attn nothing else reads it.
         model["text_decoder"]["bf16"] = True
-        if self.pp == 2:
+        if self.pp == 2:  # as examples/qwen2.5vl/model_7b.json splits: the ViT on stage 0
             model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] = [2, 0]
-            model["text_decoder"]["pipeline_num_layers"] = [0, 2]
+            model["text_decoder"]["pipeline_num_layers"] = [1, 1]
         return model
 
     def megatron_args(self, model_json: Path) -> list[str]:
@@ -151,11 +151,14 @@ class UpstreamRun:
 
     @functools.cached_property
     def grads(self) -> dict[str, torch.Tensor]:
-        """Gradients of every rank, keyed ``"rank<r>:<parameter name>"``."""
-        merged = {}
-        for rank, path in enumerate(self.grads_files):
+        """Gradients of every rank by global parameter name (layer numbers as in a
+        single-stage model), so runs of different pipeline sizes compare directly."""
+        merged: dict[str, torch.Tensor] = {}
+        for path in self.grads_files:
             for name, grad in torch.load(path, weights_only=True).items():
-                merged[f"rank{rank}:{name}"] = grad
+                if name in merged:
+                    raise AssertionError(f"{name} has gradients on two pipeline stages")
+                merged[name] = grad
         return merged
 
 

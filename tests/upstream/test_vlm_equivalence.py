@@ -96,3 +96,13 @@ def test_unpatched_upstream_on_a_pack_is_far_off(runs):
     one_by_one, packed = runs.get("fp32_plain"), runs.get("fp32_plain_packed")
     errors = gradient_errors(one_by_one.grads, packed.grads)
     assert max(errors.values()) > 500 * FP32_GRAD_RTOL
+
+
+def test_packed_batch_under_pp2_equals_samples_one_by_one(runs):
+    """Test 2 across a pipeline: the pack through the patched path on two gloo stages (ViT and
+    LLM layer 0 on stage 0, LLM layer 1 on stage 1, under torchrun) equals the single-process
+    one-by-one upstream run, gradient for gradient (layer names made global)."""
+    one_by_one, packed = runs.get("fp32_plain"), runs.get("fp32_flow_packed_pp2")
+    assert len(packed.results) == 2 and packed.result["microbatches"] == 1
+    assert all(r["plugin_active"] for r in packed.results)
+    assert_same_step(one_by_one, packed, FP32_GRAD_RTOL, FP32_LOSS_RTOL)
