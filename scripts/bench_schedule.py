@@ -180,7 +180,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (after one warm-up)")
-    parser.add_argument("--png-dir", type=Path, default=ROOT / "docs")
+    parser.add_argument("--png-dir", type=Path, default=ROOT / "outputs" / "runtime")
     args = parser.parse_args()
     ranks = launch(_worker, STAGES, args.microbatches, args.steps, timeout_s=900)
 
