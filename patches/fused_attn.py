@@ -17,6 +17,20 @@ VIT = "mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model"
 VIT_BLOCK = "mindspeed_mm.models.vision.vision_encoders.vision_transformer_block"
 QWEN3_VIT = "mindspeed_mm.models.vision.vision_encoders.qwen3vl_vit_model"
 
+
+def flash_attn_view(module: str, description: str) -> Patch:
+    """``module``'s own ``get_args`` reads ``use_flash_attn`` as True (its packed path);
+    only that module's name is wrapped, never the global ``get_args``."""
+    return Patch(
+        feature=FEATURE,
+        target=f"{module}:get_args",
+        wrapper=mindspeed_mm.vit_get_args,
+        checked=MINDSPEED_MM,
+        rebind_aliases=False,
+        description=description,
+    )
+
+
 PATCHES = [
     Patch(
         feature=FEATURE,
@@ -60,28 +74,7 @@ PATCHES = [
         checked=MINDSPEED_MM,
         description="M-RoPE on packed (squeezed THD) LLM queries",
     ),
-    Patch(
-        feature=FEATURE,
-        target=f"{VIT}:get_args",
-        wrapper=mindspeed_mm.vit_get_args,
-        checked=MINDSPEED_MM,
-        rebind_aliases=False,
-        description="Qwen2VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense block mask",
-    ),
-    Patch(
-        feature=FEATURE,
-        target=f"{QWEN3_VIT}:get_args",
-        wrapper=mindspeed_mm.vit_get_args,
-        checked=MINDSPEED_MM,
-        rebind_aliases=False,
-        description="Qwen3VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense [1,S,S] mask",
-    ),
-    Patch(
-        feature=FEATURE,
-        target=f"{VIT_BLOCK}:get_args",
-        wrapper=mindspeed_mm.vit_get_args,
-        checked=MINDSPEED_MM,
-        rebind_aliases=False,
-        description="the ViT blocks pass cu_seqlens / cu_window_seqlens as PackedSeqParams",
-    ),
+    flash_attn_view(VIT, "Qwen2VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense block mask"),
+    flash_attn_view(QWEN3_VIT, "Qwen3VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense [1,S,S] mask"),
+    flash_attn_view(VIT_BLOCK, "the ViT blocks pass cu_seqlens / cu_window_seqlens as PackedSeqParams"),
 ]
