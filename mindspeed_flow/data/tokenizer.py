@@ -54,8 +54,10 @@ class TextTokenizer:
         if self.fast:
             return self.backend.token_to_id(token)
         found = self.backend.convert_tokens_to_ids(token)
-        unk = getattr(self.backend, "unk_token_id", None)
-        return None if found is None or (unk is not None and found == unk) else int(found)
+        # an unknown token maps to the unknown id, unless it is the unknown token itself
+        # (Qwen2's tokenizer uses <|endoftext|> as its unk token)
+        unknown = found == getattr(self.backend, "unk_token_id", None) and token != getattr(self.backend, "unk_token", None)
+        return None if found is None or unknown else int(found)
 
 
 def _is_tokenizers(obj: Any) -> bool:
