@@ -119,9 +119,35 @@ def _one_f_one_b_cases(rank, world_size, varlen_state):
             out["varlen"] = (out["varlen"][0], {global_name(k[2:], offset): v for k, v in out["varlen"][1].items()})
         if world_size == 2:
             out.update(_patched(model, spec, megatron))
+            out["ddp"] = _under_megatron_ddp(spec, megatron)
     if world_size == 2:
         out["interleaved"] = _interleaved(world_size)
     return out
+
+
+def _under_megatron_ddp(spec, megatron):
+    """A training job's setting: Megatron's DDP with overlapped gradient reduction, its
+    ``no_sync`` and ``finalize_model_grads`` in the config.  Our schedule must release
+    ``no_sync`` before the last backward (else DDP finds no reduction issued) and give the
+    same reduced gradients (``main_grad``) as Megatron's."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron_cpu_harness import build_stage_model
+
+    from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
+
+    model = build_stage_model(spec)
+    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        overlap_grad_reduce=True, grad_reduce_in_fp32=True))
+    model.config.no_sync_func, model.config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    grads = []
+    for schedule in (megatron, flow_forward_backward):
+        ddp.zero_grad_buffer()
+        schedule(forward_step_func=_forward_step(), data_iterator=iter(_batches(spec)), model=[ddp],
+                 num_microbatches=spec.num_microbatches, seq_length=spec.seq_length,
+                 micro_batch_size=spec.micro_batch_size)
+        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+    return {"max_abs": max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0]),
+            "nonzero": all(float(g.abs().sum()) > 0 for g in grads[1].values()), "grads": len(grads[1])}
 
 
 def _patched(model, spec, megatron):
@@ -242,6 +268,11 @@ def test_patched_getter_returns_the_runtime_and_changes_no_number(pp2):
     for rank in pp2:
         assert rank["patched"] == {"ours": True, "restored": True}
     _exact(pp2, "patched_run")
+
+
+def test_under_megatron_ddp_with_overlapped_grad_reduce_equals_megatron(pp2):
+    for rank in pp2:
+        assert rank["ddp"]["grads"] > 0 and rank["ddp"]["nonzero"] and rank["ddp"]["max_abs"] == 0.0, rank["ddp"]
 
 
 def test_forward_only_returns_megatrons_losses(pp2):
