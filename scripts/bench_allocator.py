@@ -76,9 +76,11 @@ def main() -> None:
     print("\nconfigs:")
     for devices, _, _, _, _, _, plan, uniform, heuristic in rows:
         e, b = plan.encoder, plan.backbone
-        print(f"  {devices:>5} plan:      encoder dp {e.dp} x tp {e.tp}; backbone dp {b.dp} x tp {b.tp} x pp {b.pp}, "
-              f"mbs {b.micro_batch}; production {plan.predicted.production:.2f}, consumption "
-              f"{plan.predicted.consumption:.2f} samples/s, bubble {plan.predicted.bubble_fraction:.1%}")
+        encoder = "in stage 0" if plan.placement == "colocated" else f"dp {e.dp} x tp {e.tp}"
+        print(f"  {devices:>5} plan:      {plan.placement}; encoder {encoder}; backbone dp {b.dp} x tp {b.tp} x "
+              f"pp {b.pp}, mbs {b.micro_batch}, LLM split {list(b.layer_split)}; production "
+              f"{plan.predicted.production:.2f}, consumption {plan.predicted.consumption:.2f} samples/s, "
+              f"bubble {plan.predicted.bubble_fraction:.1%}")
         print(f"  {devices:>5} uniform:   {uniform.config} ({uniform.devices} devices, MFU {uniform.mfu:.1%})")
         print(f"  {devices:>5} disttrain: {heuristic.config} ({heuristic.devices} devices, MFU {heuristic.mfu:.1%})")
 

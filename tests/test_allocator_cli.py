@@ -31,10 +31,13 @@ def test_plan_prints_the_solved_plan_and_writes_it(tmp_path, capsys):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_infeasible_budget_exits_2_with_the_diagnosis(capsys):
-    assert cli.main(["plan", str(CONFIG), "--devices", "1"]) == 2
+def test_infeasible_config_exits_2_with_the_diagnosis(tmp_path, capsys):
+    small = tmp_path / "small.yaml"
+    small.write_text(CONFIG.read_text().replace("memory_gib: 4", "memory_gib: 0.001")
+                     .replace("profile: profiles/", f"profile: {CONFIG.parent}/profiles/"))
+    assert cli.main(["plan", str(small)]) == 2
     err = capsys.readouterr().err
-    assert "no feasible plan" in err and "device budget" in err and "budget is 1: short by 1" in err
+    assert "no feasible plan" in err and "break memory; closest:" in err and "over by" in err
 
 
 def test_bad_config_names_file_and_key(tmp_path, capsys):

@@ -15,6 +15,7 @@ import pytest
 
 from mindspeed_flow.adapters.allocator_plan import apply_to_megatron_args, apply_to_mm_model
 from mindspeed_flow.allocator import AllocatorError, BackboneConfig, EncoderConfig, Plan, Prediction
+from mindspeed_flow.allocator.upstream import mindspeed_mm_args
 from pinned_upstream import upstream_sources
 from subprocess_utils import last_json, run_python
 
@@ -55,6 +56,22 @@ def test_uneven_first_and_last_stage_use_megatrons_flags(tmp_path):
     bad = make_plan(split=(10, 9, 11, 10, 10, 10, 10, 10)).save(tmp_path / "bad.yaml")
     with pytest.raises(AllocatorError, match=r"cannot express the layer split \[10, 9, 11"):
         apply_to_megatron_args(namespace(bad, world_size=64, num_layers=80))
+
+
+def test_colocated_plan_is_upstreams_own_layout(tmp_path):
+    """Encoder in stage 0 with the backbone's TP: no --hetero-parallel, the LLM split holds
+    fewer layers on stage 0 (Megatron's first-stage flag), the ViT sits on stage 0."""
+    plan = Plan(EncoderConfig(dp=2, tp=4, layers=32),
+                BackboneConfig(dp=2, tp=4, pp=8, micro_batch=1, layer_split=(3, 11, 11, 11, 11, 11, 11, 11)),
+                global_batch=64, predicted=PREDICTION, placement="colocated")
+    assert plan.devices == 64 and "--hetero-parallel" not in mindspeed_mm_args(plan)
+    args = namespace(plan.save(tmp_path / "plan.yaml"), world_size=64, num_layers=80)
+    apply_to_megatron_args(args)
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (3, 11)
+    model = _config_tree({"image_encoder": {"vision_encoder": {"num_layers": 32}}, "text_decoder": {}})
+    apply_to_mm_model(model, Plan.load(tmp_path / "plan.yaml"), "plan.yaml")
+    assert model.text_decoder.pipeline_num_layers == [3, 11, 11, 11, 11, 11, 11, 11]
+    assert model.image_encoder.vision_encoder.pipeline_num_layers == [32, 0, 0, 0, 0, 0, 0, 0]
 
 
 def test_a_plan_that_does_not_fit_the_job_is_refused_by_name(tmp_path):

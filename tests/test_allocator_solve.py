@@ -16,7 +16,10 @@ import pytest
 
 from mindspeed_flow.allocator import (ClusterSpec, InfeasibleError, ModelSpec, ModuleSpec, Profile,
                                       ProfilePoint, ProxyModel, Workload, solve)
+from mindspeed_flow.allocator.colocated import colocated_split
+from mindspeed_flow.allocator.memory import stage_memory
 from mindspeed_flow.allocator.specs import GIB
+from mindspeed_flow.schedule import CostTable, OneFOneB, Region, compose, simulate
 
 
 def synthetic_profile(rng: random.Random) -> Profile:
@@ -41,15 +44,62 @@ def random_instance(rng: random.Random):
     cluster = ClusterSpec(devices=rng.choice([4, 6, 8, 12, 16, 24, 32]), devices_per_node=rng.choice([2, 4, 8]),
                           memory_gib=rng.choice([8, 16, 32, 80]), peak_tflops=rng.choice([100, 300]),
                           intra_node_gbps=rng.choice([50, 200]), inter_node_gbps=rng.choice([10, 25]))
+    placements = ("decoupled", "colocated") if rng.random() < 0.2 else ("decoupled",)
     workload = Workload(global_batch=rng.choice([6, 8, 12, 16, 24, 32]), tp_choices=(1, 2, 4),
                         pp_choices=tuple(rng.sample([1, 2, 3, 4], 3)), micro_batch_choices=(1, 2),
                         encoder_micro_batch=rng.choice([1, 2]), encoder_in_flight=rng.choice([1, 4]),
-                        distributed_optimizer=rng.random() < 0.5, alternatives=0)
+                        distributed_optimizer=rng.random() < 0.5, alternatives=0, placements=placements)
     return ModelSpec(enc, bb), cluster, ProxyModel(synthetic_profile(rng), cluster), workload
 
 
+def colocated_rates(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel,
+                    workload: Workload) -> list[tuple[float, int]]:
+    """(rate, devices) of every co-located config that fits, each composed and simulated
+    here: the ViT and the LLM layers and head cut by one 1F1B skeleton, ViT in stage 0."""
+    enc, bb = model.encoder, model.backbone
+    out = []
+    for tp in workload.tp_choices:
+        if cluster.devices_per_node % tp or any(m.heads % tp or m.query_groups % tp for m in (enc, bb)):
+            continue
+        for pp in workload.pp_choices:
+            if pp > bb.layers:
+                continue
+            for mbs in workload.micro_batch_choices:
+                vit = proxy.region_cost("encoder", enc, tp, mbs, enc.layers)
+                layers, head = proxy.backbone_costs(bb, tp, mbs)
+                split = colocated_split(vit.forward, layers.forward / bb.layers, bb.layers, enc.layers, pp)
+                skeleton = OneFOneB(stages=pp, layers=split[:-1] + (split[-1] + 1,))
+                for dp in range(1, cluster.devices // (tp * pp) + 1):
+                    if workload.global_batch % (dp * mbs):
+                        continue
+                    plan = compose([Region("v", enc.layers, skeleton, trainable=enc.trainable),
+                                    Region("l", bb.layers, skeleton), Region("h", 1, skeleton)],
+                                   workload.global_batch // (dp * mbs))
+                    result = simulate(plan, CostTable({"v": vit, "l": layers, "h": head},
+                                                      link=proxy.stage_link(tp, pp)))
+                    live = [result.peak_live[r] for r in sorted(result.peak_live)]
+                    worst = 0.0
+                    for stage, count in enumerate(split):
+                        own = enc.layers if stage == 0 else 0
+                        total = stage_memory(bb, layers=count - own, tp=tp, dp=dp, samples=mbs, live=live[stage],
+                                             first=stage == 0, last=stage == pp - 1,
+                                             distributed_optimizer=workload.distributed_optimizer).total
+                        if own:
+                            total += stage_memory(enc, layers=own, tp=tp, dp=dp, samples=mbs,
+                                                  live=live[stage] if enc.trainable else 0, first=False, last=False,
+                                                  distributed_optimizer=workload.distributed_optimizer).total
+                        worst = max(worst, total)
+                    if worst > cluster.memory_limit:
+                        continue
+                    stage0 = enc.params + (split[0] - enc.layers) * bb.layer_params + bb.vocab * bb.hidden
+                    step = result.step_time + proxy.gradient_reduce_seconds(stage0, tp, dp)
+                    out.append((workload.global_batch / step, tp * pp * dp))
+    return out
+
+
 def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workload: Workload):
-    """Best (throughput, mismatch, devices) over every config pair, or None."""
+    """Best (throughput, mismatch, devices) over every config pair (and every co-located
+    config when the workload allows them), or None."""
     limit = cluster.memory_limit
     node = cluster.devices_per_node
 
@@ -73,6 +123,8 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workl
                 backbones.append((est.rate, tp * pp * dp))
     pairs = [(min(p, c), abs(p - c), de + db) for (p, de), (c, db) in itertools.product(encoders, backbones)
              if de + db <= cluster.devices]
+    if "colocated" in workload.placements:
+        pairs += [(rate, 0.0, devices) for rate, devices in colocated_rates(model, cluster, proxy, workload)]
     if not pairs:
         return None
     best_t = max(t for t, _, _ in pairs)
@@ -84,7 +136,7 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workl
 
 def test_solve_matches_brute_force_on_random_instances():
     rng = random.Random(12)
-    solved = infeasible = 0
+    solved = infeasible = colocated = 0
     for case in range(300):
         model, cluster, proxy, workload = random_instance(rng)
         expected = brute_force(model, cluster, proxy, workload)
@@ -101,7 +153,8 @@ def test_solve_matches_brute_force_on_random_instances():
         assert plan.devices <= cluster.devices
         assert plan.throughput == pytest.approx(min(plan.predicted.production, plan.predicted.consumption))
         solved += 1
-    assert solved >= 150 and infeasible >= 10  # both branches really exercised
+        colocated += plan.placement == "colocated"
+    assert solved >= 150 and infeasible >= 10 and colocated >= 10  # every branch really exercised
 
 
 def _big_model() -> ModelSpec:
@@ -116,7 +169,8 @@ def test_device_budget_shortfall_is_named_with_the_amount():
     40 devices: the diagnosis names the pair and the shortfall of 1."""
     model = _big_model()
     cluster = ClusterSpec(devices=39, memory_gib=80)
-    workload = Workload(global_batch=64, pp_choices=(4, 8), tp_choices=(8,), micro_batch_choices=(1,))
+    workload = Workload(global_batch=64, pp_choices=(4, 8), tp_choices=(8,), micro_batch_choices=(1,),
+                        placements=("decoupled",))
     proxy = ProxyModel(synthetic_profile(random.Random(1)), cluster)
     with pytest.raises(InfeasibleError) as info:
         solve(model, cluster, proxy, workload)

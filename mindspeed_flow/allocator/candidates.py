@@ -14,13 +14,13 @@ misses by, when it breaks:
 
 The replica counts tried are the divisors of the global batch (over the micro batch) that
 fit the budget, which is every count the batch rule allows.  Backbone candidates are
-simulated lazily (:class:`BackbonePool`): the simulation is the expensive part.
+simulated lazily (:class:`LazyPool`): the simulation is the expensive part.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from .proxy import BackboneEstimate, EncoderEstimate, ProxyModel
 from .specs import GIB, ClusterSpec, ModuleSpec, Workload
@@ -115,31 +115,31 @@ class PendingBackbone:
     dp: int
     bound: float
 
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
 
-class BackbonePool:
-    """Backbone candidates, simulated lazily in order of their rate bound.
 
-    The MILP never needs a backbone whose rate cannot reach the throughput of a plan
+class LazyPool:
+    """Candidates simulated lazily, in order of their rate bound.
+
+    The MILP never needs a candidate whose rate cannot reach the throughput of a plan
     already found (it could not be part of any plan as good, see :func:`.solve.solve`), so
-    candidates are simulated best bound first, only as far as a solve asks.
+    candidates are simulated best bound first, only as far as a solve asks.  ``evaluate``
+    simulates one pending candidate and returns its estimate, or None (recording why) when
+    it does not fit in memory.
     """
 
-    def __init__(self, spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
-                 pending: list[PendingBackbone], rejections: list[Rejection]) -> None:
-        self.spec, self.cluster, self.workload, self.proxy = spec, cluster, workload, proxy
+    def __init__(self, pending: list, evaluate: Callable[[Any], Any]) -> None:
         self.pending = sorted(pending, key=lambda p: -p.bound)
-        self.evaluated: list[BackboneEstimate] = []
-        self.rejections = rejections
+        self.evaluated: list = []
+        self._evaluate_one = evaluate
 
-    def _evaluate(self, p: PendingBackbone) -> BackboneEstimate | None:
-        """Simulate one pending candidate: it joins :attr:`evaluated` if it fits in memory."""
+    def _evaluate(self, p: Any) -> Any:
         self.pending.remove(p)
-        est = self.proxy.backbone(self.spec, self.workload, p.tp, p.pp, p.micro_batch, p.dp)
-        if est.memory.total > self.cluster.memory_limit:
-            self.rejections.append(Rejection("backbone", f"tp {p.tp} pp {p.pp} mbs {p.micro_batch} dp {p.dp}",
-                                             "memory", est.memory.total, self.cluster.memory_limit, "GiB"))
-            return None
-        self.evaluated.append(est)
+        est = self._evaluate_one(p)
+        if est is not None:
+            self.evaluated.append(est)
         return est
 
     def expand(self, threshold: float) -> int:
@@ -150,12 +150,17 @@ class BackbonePool:
             added += self._evaluate(self.pending[0]) is not None
         return added
 
-    def best_within(self, devices: int) -> BackboneEstimate | None:
-        """The fastest backbone on at most ``devices`` devices, simulating only candidates
+    def expand_first(self, count: int) -> int:
+        """Simulate the ``count`` candidates with the best bounds (a first set to solve)."""
+        if not self.pending:
+            return 0
+        return self.expand(self.pending[min(count, len(self.pending)) - 1].bound)
+
+    def best_within(self, devices: int) -> Any:
+        """The fastest candidate on at most ``devices`` devices, simulating only those
         whose bound could beat the best found."""
-        fits = [b for b in self.evaluated if b.devices <= devices]
-        best = max(fits, key=lambda b: b.rate, default=None)
-        for p in [p for p in self.pending if p.tp * p.pp * p.dp <= devices]:
+        best = max((e for e in self.evaluated if e.devices <= devices), key=lambda e: e.rate, default=None)
+        for p in [p for p in self.pending if p.devices <= devices]:
             if best is not None and p.bound < best.rate:
                 break
             est = self._evaluate(p)
@@ -163,15 +168,9 @@ class BackbonePool:
                 best = est
         return best
 
-    def expand_first(self, count: int) -> int:
-        """Simulate the ``count`` candidates with the best bounds (a first set to solve)."""
-        if not self.pending:
-            return 0
-        return self.expand(self.pending[min(count, len(self.pending)) - 1].bound)
-
 
 def backbone_pool(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
-                  rejections: list[Rejection]) -> BackbonePool:
+                  rejections: list[Rejection]) -> LazyPool:
     """Backbone configs after the cheap checks (memory with one microbatch per stage, which
     only ever underestimates), none simulated yet."""
     pending = []
@@ -200,12 +199,21 @@ def backbone_pool(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, pr
                         continue
                     pending.append(PendingBackbone(tp, pp, mbs, dp,
                                                    proxy.backbone_rate_bound(spec, workload, tp, pp, mbs, dp)))
-    return BackbonePool(spec, cluster, workload, proxy, pending, rejections)
+
+    def evaluate(p: PendingBackbone) -> BackboneEstimate | None:
+        est = proxy.backbone(spec, workload, p.tp, p.pp, p.micro_batch, p.dp)
+        if est.memory.total > cluster.memory_limit:
+            rejections.append(Rejection("backbone", f"tp {p.tp} pp {p.pp} mbs {p.micro_batch} dp {p.dp}",
+                                        "memory", est.memory.total, cluster.memory_limit, "GiB"))
+            return None
+        return est
+
+    return LazyPool(pending, evaluate)
 
 
 def candidates(encoder: ModuleSpec, backbone: ModuleSpec, cluster: ClusterSpec, workload: Workload,
-               proxy: ProxyModel) -> tuple[CandidateSet, BackbonePool]:
-    """Every encoder candidate, and the backbone pool (its :attr:`~BackbonePool.evaluated`
+               proxy: ProxyModel) -> tuple[CandidateSet, LazyPool]:
+    """Every encoder candidate, and the backbone pool (its :attr:`~LazyPool.evaluated`
     list is the candidate set's ``backbones``, growing as the pool expands)."""
     rejections: list[Rejection] = []
     encoders = encoder_candidates(encoder, cluster, workload, proxy, rejections)

@@ -13,10 +13,15 @@ from typing import Any, Mapping
 from .files import field_values, read_data, write_data
 from .specs import AllocatorError
 
+DECOUPLED = "decoupled"  # the encoder on devices of its own, feeding the backbone through the pool
+COLOCATED = "colocated"  # the encoder inside the backbone's pipeline stage 0, same TP and DP
+PLACEMENTS = (DECOUPLED, COLOCATED)
+
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    """The encoder (producer): ``dp`` replicas of ``tp`` devices each."""
+    """The encoder (producer): ``dp`` replicas of ``tp`` devices each (when co-located:
+    the backbone's TP and DP, inside its stage 0)."""
 
     dp: int
     tp: int
@@ -75,6 +80,8 @@ class Plan:
         global_batch: samples per step the plan was sized for.
         predicted: throughput, rates, MFU, bubble and memory from the proxy.
         alternatives: runner-up plans with other backbone shapes, best first.
+        placement: ``"decoupled"`` or ``"colocated"`` (then ``layer_split`` counts the LLM
+            layers per stage; stage 0 also holds the whole encoder).
     """
 
     encoder: EncoderConfig
@@ -82,6 +89,11 @@ class Plan:
     global_batch: int
     predicted: Prediction
     alternatives: tuple["Plan", ...] = field(default=(), compare=False)
+    placement: str = DECOUPLED
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise AllocatorError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
     @property
     def throughput(self) -> float:
@@ -93,10 +105,12 @@ class Plan:
 
     @property
     def devices(self) -> int:
+        if self.placement == COLOCATED:
+            return self.backbone.devices
         return self.encoder.devices + self.backbone.devices
 
     def to_dict(self, alternatives: bool = True) -> dict[str, Any]:
-        data = {"encoder": asdict(self.encoder), "backbone": asdict(self.backbone),
+        data = {"placement": self.placement, "encoder": asdict(self.encoder), "backbone": asdict(self.backbone),
                 "global_batch": self.global_batch, "predicted": asdict(self.predicted)}
         data["backbone"]["layer_split"] = list(self.backbone.layer_split)
         if alternatives:
@@ -119,6 +133,7 @@ class Plan:
                 predicted=Prediction(**field_values(Prediction, data["predicted"], f"{where}: predicted")),
                 alternatives=tuple(cls.from_dict(a, f"{where}: alternatives[{i}]")
                                    for i, a in enumerate(data.get("alternatives", ()))),
+                placement=data.get("placement", DECOUPLED),
             )
         except KeyError as exc:
             raise AllocatorError(f"{where}: missing key {exc}") from None

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from .candidates import divisors
-from .plan import Plan
+from .plan import COLOCATED, Plan
 from .proxy import ProxyModel
 from .specs import AllocatorConfig
 from .upstream import megatron_args, mindspeed_mm_args, mindspeed_mm_model
@@ -15,20 +15,25 @@ from .upstream import megatron_args, mindspeed_mm_args, mindspeed_mm_model
 
 def _shape(plan: Plan) -> tuple[str, str]:
     e, b = plan.encoder, plan.backbone
-    return (f"dp {e.dp} x tp {e.tp}", f"dp {b.dp} x tp {b.tp} x pp {b.pp}, micro batch {b.micro_batch}")
+    encoder = "in stage 0" if plan.placement == COLOCATED else f"dp {e.dp} x tp {e.tp}"
+    return encoder, f"dp {b.dp} x tp {b.tp} x pp {b.pp}, micro batch {b.micro_batch}"
 
 
 def describe(plan: Plan, config: AllocatorConfig, title: str) -> str:
     p = plan.predicted
     enc, bb = _shape(plan)
     budget = config.cluster.devices
+    encoder_devices = 0 if plan.placement == COLOCATED else plan.encoder.devices
     lines = [
         title,
-        f"encoder   {enc:<40} {plan.encoder.devices:>6} devices  produces {p.production:10.2f} samples/s"
+        f"placement {plan.placement}" + (": the encoder inside the backbone's stage 0, one strategy for both "
+                                         "(Megatron / MindSpeed-MM layout)" if plan.placement == COLOCATED else
+                                         ": the encoder on devices of its own, feeding the backbone"),
+        f"encoder   {enc:<40} {encoder_devices:>6} devices  produces {p.production:10.2f} samples/s"
         f"  {p.encoder_memory_gib:6.1f} GiB/device",
         f"backbone  {bb:<40} {plan.backbone.devices:>6} devices  consumes {p.consumption:10.2f} samples/s"
         f"  {p.backbone_memory_gib:6.1f} GiB/device",
-        f"          layer split {list(plan.backbone.layer_split)}, {p.microbatches} microbatches per replica "
+        f"          LLM layer split {list(plan.backbone.layer_split)}, {p.microbatches} microbatches per replica "
         f"and step, step {p.backbone_step_s:.2f} s, bubble {p.bubble_fraction:.1%} (schedule simulator)",
         f"predicted {p.throughput:.2f} samples/s, MFU {p.mfu:.1%}, mismatch {p.mismatch:.2f} samples/s "
         f"({p.mismatch / p.throughput:.1%}), {plan.devices} of {budget} devices",
@@ -66,11 +71,12 @@ def draw_rate_match(plan: Plan, config: AllocatorConfig, proxy: ProxyModel, path
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     tp = plan.encoder.tp
     units = workload.global_batch // workload.encoder_micro_batch
-    dps = [d for d in divisors(units) if d * tp + plan.backbone.devices <= config.cluster.devices]
+    dps = [d for d in divisors(units) if d * tp + plan.backbone.devices <= config.cluster.devices] or [1]
     rates = [proxy.encoder(model.encoder, workload, tp, d).rate for d in dps]
-    left.plot([d * tp for d in dps], rates, "o-", label=f"encoder production (tp {tp})")
+    left.plot([d * tp for d in dps], rates, "o-", label=f"decoupled encoder production (tp {tp})")
     left.axhline(plan.predicted.consumption, color="tab:red", label="backbone consumption (plan)")
-    left.plot([plan.encoder.devices], [plan.predicted.production], "k*", markersize=14, label="plan")
+    if plan.placement != COLOCATED:
+        left.plot([plan.encoder.devices], [plan.predicted.production], "k*", markersize=14, label="plan")
     left.set_xscale("log", base=2)
     left.set_xlabel("encoder devices")
     left.set_ylabel("samples/s")

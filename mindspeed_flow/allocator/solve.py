@@ -2,24 +2,57 @@
 
 from __future__ import annotations
 
-from .candidates import BackbonePool, CandidateSet, candidates
+from .candidates import CandidateSet, LazyPool, candidates
+from .colocated import colocated_pool
 from .diagnose import InfeasibleError, diagnose
 from .milp import AllocationMilp, Choice
-from .plan import BackboneConfig, EncoderConfig, Plan, Prediction
+from .plan import COLOCATED, BackboneConfig, EncoderConfig, Plan, Prediction
 from .proxy import ProxyModel
 from .specs import GIB, ClusterSpec, ModelSpec, Workload
 
+FIRST_SIMULATED = 16  # candidates of each pool simulated before the first solve
+BOUND_SLACK = 1e-6  # relative: well above the MILP's lexicographic tolerance
 
-def build_milp(found: CandidateSet, budget: int) -> AllocationMilp:
-    return AllocationMilp(
+# A shape: placement, tp, pp, micro batch (runners-up differ in it).
+Shape = tuple[str, int, int, int]
+
+
+def _shape(candidate, placement: str) -> Shape:
+    return placement, candidate.tp, candidate.pp, candidate.micro_batch
+
+
+def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Shape]) -> AllocationMilp:
+    milp = AllocationMilp(
         [e.rate for e in found.encoders], [e.devices for e in found.encoders], [e.dp for e in found.encoders],
         [b.rate for b in found.backbones], [b.devices for b in found.backbones], [b.dp for b in found.backbones],
-        budget,
+        budget, [j.rate for j in joints], [j.devices for j in joints], [j.dp for j in joints],
     )
+    banned = [i for i, b in enumerate(found.backbones) if _shape(b, "decoupled") in excluded]
+    if banned:
+        milp.exclude_backbone(banned)
+    banned = [i for i, j in enumerate(joints) if _shape(j, COLOCATED) in excluded]
+    if banned:
+        milp.exclude_joint(banned)
+    return milp
 
 
-def to_plan(found: CandidateSet, choice: Choice, model: ModelSpec, proxy: ProxyModel,
+def to_plan(found: CandidateSet, joints: list, choice: Choice, model: ModelSpec, proxy: ProxyModel,
             workload: Workload) -> Plan:
+    if choice.joint is not None:
+        j = joints[choice.joint]
+        memory_gib = j.memory.total / GIB
+        return Plan(
+            encoder=EncoderConfig(dp=j.dp, tp=j.tp, layers=model.encoder.layers),
+            backbone=BackboneConfig(dp=j.dp, tp=j.tp, pp=j.pp, micro_batch=j.micro_batch, layer_split=j.llm_split),
+            global_batch=workload.global_batch,
+            predicted=Prediction(
+                throughput=j.rate, production=j.rate, consumption=j.rate,
+                mfu=proxy.mfu(model.encoder, model.backbone, j.rate, j.devices),
+                bubble_fraction=j.bubble_fraction, backbone_step_s=j.step_time, microbatches=j.microbatches,
+                encoder_memory_gib=memory_gib, backbone_memory_gib=memory_gib,
+            ),
+            placement=COLOCATED,
+        )
     enc, bb = found.encoders[choice.encoder], found.backbones[choice.backbone]
     devices = enc.devices + bb.devices
     return Plan(
@@ -35,51 +68,56 @@ def to_plan(found: CandidateSet, choice: Choice, model: ModelSpec, proxy: ProxyM
     )
 
 
-FIRST_SIMULATED = 16  # backbone candidates simulated before the first solve
-BOUND_SLACK = 1e-6  # relative: well above the MILP's lexicographic tolerance
-
-
-def _solve_lazily(found: CandidateSet, pool: BackbonePool, budget: int,
-                  excluded_shapes: list[tuple[int, int, int]]) -> Choice | None:
-    """The MILP optimum over all backbone candidates, simulating only those that could be
-    part of it: after each solve with throughput ``T``, every pending candidate whose rate
-    bound reaches ``T`` is simulated and the MILP solved again.  When none is left, the
-    pending ones consume less than ``T`` and can be in no plan as good (nor, with ``T``
-    fixed, in the mismatch and device stages)."""
+def _solve_lazily(found: CandidateSet, pools: list[LazyPool], joints: list, budget: int,
+                  excluded: list[Shape]) -> Choice | None:
+    """The MILP optimum over all candidates, simulating only those that could be part of
+    it: after each solve with throughput ``T``, every pending candidate whose rate bound
+    reaches ``T`` is simulated and the MILP solved again.  When none is left, the pending
+    ones run at less than ``T`` and can be in no plan as good (nor, with ``T`` fixed, in
+    the mismatch and device stages)."""
     while True:
         choice = None
-        if found.encoders and found.backbones:
-            milp = build_milp(found, budget)
-            banned = [j for j, b in enumerate(found.backbones) if (b.tp, b.pp, b.micro_batch) in excluded_shapes]
-            if len(banned) < len(found.backbones):
-                if banned:
-                    milp.exclude_backbone(banned)
-                choice = milp.solve()
+        if (found.encoders and found.backbones) or joints:
+            choice = build_milp(found, joints, budget, excluded).solve()
         threshold = choice.throughput * (1 - BOUND_SLACK) if choice else 0.0
-        if pool.expand(threshold) == 0 and (choice is not None or not pool.pending):
+        added = sum(pool.expand(threshold) for pool in pools)
+        if added == 0 and (choice is not None or not any(pool.pending for pool in pools)):
             return choice
 
 
 def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, workload: Workload) -> Plan:
     """The plan that maximises global throughput (the smaller of encoder production and
     backbone consumption, samples/s), then minimises their mismatch, then the devices used;
-    with ``workload.alternatives`` runners-up, each with another backbone shape.
+    with ``workload.alternatives`` runners-up, each with another backbone shape.  With
+    ``"colocated"`` in ``workload.placements`` the encoder may also sit inside the
+    backbone's stage 0 (one strategy for both, :mod:`.colocated`).
 
     Raises :class:`~.diagnose.InfeasibleError` naming the binding constraint.
     """
     found, pool = candidates(model_spec.encoder, model_spec.backbone, cluster_spec, workload, proxy)
-    pool.expand_first(FIRST_SIMULATED)
-    excluded: list[tuple[int, int, int]] = []
-    choice = _solve_lazily(found, pool, cluster_spec.devices, excluded)
+    pools = [pool]
+    joints: list = []
+    if COLOCATED in workload.placements:
+        joint_pool = colocated_pool(model_spec, cluster_spec, workload, proxy, found.rejections)
+        joints = joint_pool.evaluated
+        pools.append(joint_pool)
+    if "decoupled" not in workload.placements:
+        pool.pending.clear()
+    for p in pools:
+        p.expand_first(FIRST_SIMULATED)
+    excluded: list[Shape] = []
+    choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded)
     if choice is None:
         raise InfeasibleError(diagnose(found, cluster_spec))
-    best = to_plan(found, choice, model_spec, proxy, workload)
+    best = to_plan(found, joints, choice, model_spec, proxy, workload)
     runners_up = []
     for _ in range(workload.alternatives):
-        chosen = found.backbones[choice.backbone]
-        excluded.append((chosen.tp, chosen.pp, chosen.micro_batch))
-        choice = _solve_lazily(found, pool, cluster_spec.devices, excluded)
+        if choice.joint is not None:
+            excluded.append(_shape(joints[choice.joint], COLOCATED))
+        else:
+            excluded.append(_shape(found.backbones[choice.backbone], "decoupled"))
+        choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded)
         if choice is None:
             break
-        runners_up.append(to_plan(found, choice, model_spec, proxy, workload))
-    return Plan(best.encoder, best.backbone, best.global_batch, best.predicted, tuple(runners_up))
+        runners_up.append(to_plan(found, joints, choice, model_spec, proxy, workload))
+    return Plan(best.encoder, best.backbone, best.global_batch, best.predicted, tuple(runners_up), best.placement)

@@ -139,6 +139,8 @@ class Workload:
         distributed_optimizer: optimizer state sharded over DP (Megatron's
             ``--use-distributed-optimizer``).
         alternatives: how many runner-up plans to report.
+        placements: where the encoder may go: ``"decoupled"`` (devices of its own) and/or
+            ``"colocated"`` (inside the backbone's stage 0, Megatron-style).
     """
 
     global_batch: int
@@ -149,8 +151,13 @@ class Workload:
     encoder_in_flight: int = 4
     distributed_optimizer: bool = True
     alternatives: int = 3
+    placements: tuple[str, ...] = ("decoupled", "colocated")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "placements", tuple(self.placements))
+        unknown = set(self.placements) - {"decoupled", "colocated"}
+        if unknown or not self.placements:
+            raise AllocatorError(f"workload: placements must be among decoupled, colocated; got {self.placements}")
         for name in ("tp_choices", "pp_choices", "micro_batch_choices"):
             values = tuple(int(v) for v in getattr(self, name))
             if any(v < 1 for v in values):

@@ -6,14 +6,16 @@ and ``text_decoder``, one entry per pipeline stage) and, under ``--hetero-parall
 module's own ``tensor_model_parallel_size`` from the same JSON
 (``mindspeed_mm/utils/hetero_parallel.py``).  The encoder's replicas on devices of their
 own are what FlowTrain's decoupled schedule runs; upstream alone places the encoder with
-the backbone (the vision encoder on stage 0), with its own TP.
+the backbone (the vision encoder on stage 0), with its own TP.  A co-located plan is
+upstream's own layout: the encoder in stage 0 with the backbone's TP, the text decoder's
+split holding fewer layers on stage 0.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .plan import Plan
+from .plan import COLOCATED, Plan
 
 
 def megatron_args(plan: Plan) -> list[str]:
@@ -41,5 +43,8 @@ def mindspeed_mm_model(plan: Plan) -> dict[str, Any]:
 
 
 def mindspeed_mm_args(plan: Plan) -> list[str]:
-    """Megatron's flags plus ``--hetero-parallel``, which gives the encoder its own TP."""
+    """Megatron's flags, plus ``--hetero-parallel`` (the encoder's own TP) when the encoder
+    has a TP of its own."""
+    if plan.placement == COLOCATED or plan.encoder.tp == plan.backbone.tp:
+        return megatron_args(plan)
     return megatron_args(plan) + ["--hetero-parallel"]
