@@ -24,7 +24,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def epoch(corpus):
-    loader = FlowDataLoader(corpus, None, capacity=CAPACITY, num_workers=2, window=8, seed=3)
+    loader = FlowDataLoader(corpus, None, capacity=CAPACITY, num_workers=2, window=8, seed=3, max_pixels=224 * 224)
     return loader, list(loader)
 
 
