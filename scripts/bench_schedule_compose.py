@@ -66,9 +66,11 @@ def main() -> int:
                 baseline, scan = timed(compose, regions, microbatches)
             if baseline.programs != plan.programs:
                 raise SystemExit(f"{name} {stages}x{microbatches}: the heap merge changed the programs")
+            del baseline
         _, check = timed(validate, plan)
         _, replay = timed(simulate, plan, CostTable({"llm": RegionCost(forward=1.0)}))
         rows.append((name, stages, microbatches, actions, heap, scan, check, replay))
+        del plan  # each plan is composed with no earlier one still in memory
     header = (f"{'skeleton':<12} {'stages':>6} {'mbs':>5} {'actions':>8} {'compose s':>10} "
               f"{'scan s':>8} {'speedup':>8} {'validate us/a':>14} {'simulate us/a':>14}")
     print("CPU seconds; scan: compose with the pre-issue-13 merge (the baseline), same plans")
