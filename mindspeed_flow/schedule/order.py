@@ -171,7 +171,7 @@ def merge(
     free = {rank: 0.0 for rank in rank_streams}
     heads = {rank: [0] * len(s) for rank, s in rank_streams.items()}
     order: dict[int, list[Timed]] = {rank: [] for rank in rank_streams}
-    stamp = {(rank, s): 0 for rank, ss in rank_streams.items() for s in range(len(ss))}  # latest keying
+    stamp = {rank: [0] * len(ss) for rank, ss in rank_streams.items()}  # latest keying of each order
     ready: list[tuple[float, int, int, int, int]] = []  # (start, -k, rank, order, stamp)
     blocked: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)  # input -> (rank, order, stamp)
     total = sum(len(s) for ss in rank_streams.values() for s in ss)
@@ -195,7 +195,8 @@ def merge(
         head = heads[rank][s]
         if head == len(nodes[rank][s]):
             return
-        stamp[(rank, s)] = current = stamp[(rank, s)] + 1
+        stamps = stamp[rank]
+        stamps[s] = current = stamps[s] + 1
         start = free[rank]
         for need in needs[rank][s][head]:
             if need is None:
@@ -212,7 +213,7 @@ def merge(
         for s in range(len(ss)):
             key(rank, s)
     for pick in range(total):
-        while ready and ready[0][4] != stamp[(ready[0][2], ready[0][3])]:
+        while ready and ready[0][4] != stamp[ready[0][2]][ready[0][3]]:
             heapq.heappop(ready)  # keyed again since
         if not ready:
             raise ScheduleError("skeleton orders cannot be merged: " + _stuck(rank_streams, heads))
@@ -226,7 +227,7 @@ def merge(
         for other in range(len(nodes[rank])):
             key(rank, other)
         for waiter, t, was in blocked.pop(done, ()):
-            if stamp[(waiter, t)] == was:
+            if stamp[waiter][t] == was:
                 key(waiter, t)
     return order
 
