@@ -3,7 +3,6 @@ runner-up cuts.  Brute force enumerates every (encoder, backbone) candidate pair
 
 from __future__ import annotations
 
-import itertools
 import random
 
 from mindspeed_flow.allocator.milp import AllocationMilp, lexicographic_key
