@@ -49,34 +49,20 @@ def _rank_main(rank: int, world_size: int, root: str, worker, args: tuple) -> No
     import torch
     import torch.distributed as dist
 
+    from dist_checkpoint_compat import bind_serialization_format
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     # The torch_dist writer synchronises the CUDA stream before copying tensors out; on a
     # CPU-only build there is no stream, and the call must be a no-op (a CPU shim).
     torch.cuda.synchronize = lambda device=None: None
-    _bind_serialization_format()
+    bind_serialization_format()
     store = dist.FileStore(f"{root}/store", world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=180))
     try:
         torch.save(worker(rank, world_size, *args), f"{root}/result{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _bind_serialization_format() -> None:
-    """megatron-core 0.12's ``torch_dist`` writer calls torch's private ``_write_item``
-    without the ``serialization_format`` argument that torch 2.13 requires (the pinned
-    cluster stack, torch 2.7, has no such argument).  Bind torch's default format so the
-    writer's forked workers can save; the bytes written are torch's ordinary format."""
-    import functools
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from torch.distributed.checkpoint import filesystem
-
-    if "serialization_format" in filesystem._write_item.__code__.co_varnames:
-        filesystem_async._write_item = functools.partial(
-            filesystem._write_item, serialization_format=filesystem.SerializationFormat.TORCH_SAVE
-        )
 
 
 def launch_ranks(worker, root: Path, *args) -> list:

@@ -1,21 +1,26 @@
 """MindSpeed-MM's real ``Qwen3VLViT``, one forward and backward on CPU, without
 ``--use-flash-attn``: what a job meets, with or without the plugin.
 
-Run by ``test_qwen3vl_vit_mask.py`` (beside it) in a subprocess (never imported by pytest):
+Run by ``test_qwen3vl_vit.py`` (beside it) in a subprocess (never imported by pytest):
 ``python driver.py ARGS`` for upstream as it is, ``python -m mindspeed_flow.launch
 driver.py ARGS --flow-fused-attn`` with the plugin.  MindSpeed's adaptor is imported
 first, as ``pretrain_vlm.py`` does; Megatron (the copy inside the MindSpeed-MM tree) is
 initialised by its own ``initialize_megatron``; the ViT is built from MindSpeed-MM's own
 ``get_qwen3vl_layer_spec``.  Only ``torch_npu`` / ``torchair`` are stood in (the folder on
-``PYTHONPATH`` first).  Writes, to the path in ``MINDSPEED_FLOW_QWEN3VL_OUT``: the output,
+``PYTHONPATH`` first).  Before the forward it may load and save a ``torch_dist`` checkpoint (see :func:`checkpoint`).
+Writes, to the path in ``MINDSPEED_FLOW_QWEN3VL_OUT``: the output,
 the parameter gradients, the plugin's patch statuses, and every tensor any aten op returned whose last two dimensions
 both span the whole pack (a ``[.., S, S]`` mask or score matrix).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: dist_checkpoint_compat
 import mindspeed.megatron_adaptor  # noqa: F401  (first: MindSpeed patches Megatron at import)
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,13 +69,50 @@ def build_vit():
                             deepstack_visual_indexes=[], fullatt_block_indexes=[],
                             pipeline_num_layers=[config.num_layers]).items():
         setattr(config, name, value)
-    torch.manual_seed(1234)
+    torch.manual_seed(int(os.environ.get("MINDSPEED_FLOW_QWEN3VL_SEED", "1234")))
     return Qwen3VLViT(config, get_qwen3vl_layer_spec(config, is_vit=True))
+
+
+def checkpoint(model) -> dict[str, torch.Tensor]:
+    """``torch_dist`` (Megatron's distributed checkpoint): load the folder named by
+    ``MINDSPEED_FLOW_QWEN3VL_LOAD``, then save to ``MINDSPEED_FLOW_QWEN3VL_SAVE``; returns
+    the saved tensors as Megatron reads them back without a model (empty if none saved)."""
+    from megatron.core import dist_checkpointing
+
+    from dist_checkpoint_compat import bind_serialization_format
+
+    if os.environ.get("MINDSPEED_FLOW_QWEN3VL_LOAD"):
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), os.environ["MINDSPEED_FLOW_QWEN3VL_LOAD"])
+        model.load_state_dict(loaded, strict=True)
+    if os.environ.get("MINDSPEED_FLOW_QWEN3VL_SAVE"):
+        folder = Path(os.environ["MINDSPEED_FLOW_QWEN3VL_SAVE"])
+        folder.mkdir(parents=True)  # as Megatron's save_checkpoint makes it
+        bind_serialization_format()
+        with cpu_barrier():
+            dist_checkpointing.save(model.sharded_state_dict(), str(folder))
+        return dict(dist_checkpointing.load_plain_tensors(str(folder)))
+    return {}
+
+
+@contextlib.contextmanager
+def cpu_barrier():
+    """``torch.distributed.barrier`` asks torch for the current accelerator, which fails
+    while a PrivateUse1 backend (the ``npu`` stand-in) is named but registers no hooks; the
+    save's closing barrier then runs as an all-reduce over the gloo group instead."""
+    import torch.distributed as dist
+
+    original = dist.barrier
+    dist.barrier = lambda group=None, *args, **kwargs: dist.all_reduce(torch.zeros(1), group=group)
+    try:
+        yield
+    finally:
+        dist.barrier = original
 
 
 def main() -> None:
     initialise()
     model = build_vit()
+    saved = checkpoint(model)
     grid = torch.tensor(GRID_THW)
     tokens = int(grid.prod(dim=1).sum())
     gen = torch.Generator().manual_seed(7)
@@ -80,7 +122,7 @@ def main() -> None:
         hidden.float().square().sum().backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     torch.save({"output": hidden.detach().float().clone(), "grads": grads, "tokens": tokens,
-                "pack_square": recorder.seen, "patches": patch_statuses()}, os.environ["MINDSPEED_FLOW_QWEN3VL_OUT"])
+                "pack_square": recorder.seen, "patches": patch_statuses(), "saved": saved}, os.environ["MINDSPEED_FLOW_QWEN3VL_OUT"])
 
 
 def patch_statuses() -> dict[str, str]:
