@@ -6,13 +6,13 @@
 #   MINDSPEED_FLOW_VENV      where the environment lives        (default: <repo>/.venv)
 #   MEGATRON_CORE_VERSION    megatron-core to test against      (default: 0.12.3, the line
 #                                                                 MindSpeed-MM pins)
-#   MINDSPEED_FLOW_EXTRAS    extras of this package to install  (default: test,plots)
+#   MINDSPEED_FLOW_EXTRAS    extras of this package to install  (default: test,plots,mooncake)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${MINDSPEED_FLOW_VENV:-$ROOT/.venv}
 MEGATRON_CORE_VERSION=${MEGATRON_CORE_VERSION:-0.12.3}
-EXTRAS=${MINDSPEED_FLOW_EXTRAS:-test,plots}
+EXTRAS=${MINDSPEED_FLOW_EXTRAS:-test,plots,mooncake}
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating virtual environment $VENV"

@@ -1,0 +1,207 @@
+"""The pool conformance scenarios: each runs on every participant of a
+:class:`pool_cluster.Cluster` (rank 0 and 1 produce, the last rank consumes unless a
+scenario says otherwise) and asserts inside the participant; what it returns is checked
+again by the test.  The same functions run on every backend."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mindspeed_flow.pool import PoolFull, PoolTimeout, ProducerDied
+
+
+class Die(Exception):
+    """Raised by a scenario whose participant must end right now (producer death)."""
+
+
+def payloads() -> dict[str, torch.Tensor]:
+    """Deterministic tensors of every kind a pool must carry byte for byte."""
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    return {
+        "f32": torch.randn(4, 7, 3, generator=g),
+        "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+        "i64": torch.randint(-2**40, 2**40, (5, 2), generator=g),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "strided": base.t()[1:, ::2],  # a non-contiguous view
+        "scalar": torch.tensor(3.25),
+    }
+
+
+def meta_of(name: str) -> dict:
+    return {"sample_ids": [sum(map(ord, name)), 5], "token_counts": [17, 3], "tag": name}
+
+
+def roundtrip(ctx) -> dict:
+    pool = ctx.open(1 << 20)
+    expected = payloads()
+    handles = {}
+    if ctx.rank == 0:
+        for name, tensor in expected.items():
+            handles[name] = pool.put(f"obj/{name}", tensor, meta_of(name))
+        pool.put_microbatch(3, expected["f32"] * 2, {"sample_ids": [30, 31], "token_counts": [8, 9]})
+    ctx.barrier.wait()
+    checked = 0
+    if ctx.rank != 0:
+        for name, want in expected.items():
+            handle = pool.handle(f"obj/{name}", timeout=10)
+            got = pool.get(handle)
+            assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, got.shape)
+            assert got.contiguous().view(-1).view(torch.uint8).equal(
+                want.contiguous().view(-1).view(torch.uint8)), f"{name}: bytes differ"
+            assert handle.meta == meta_of(name), (name, handle.meta)
+            assert handle.owner == ctx.owner(0) and handle.nbytes == want.numel() * want.element_size()
+            assert handle.dtype == str(want.dtype).removeprefix("torch.") and handle.shape == tuple(want.shape)
+            checked += 1
+        tensor, handle = pool.get_microbatch(3, timeout=10)
+        assert tensor.equal(expected["f32"] * 2)
+        assert handle.meta == {"sample_ids": [30, 31], "token_counts": [8, 9], "microbatch": 3}
+        assert handle.owner == ctx.owner(0)
+    ctx.barrier.wait()
+    pool.close()
+    return {"checked": checked, "offsets": sorted(h.offset for h in handles.values())}
+
+
+def backpressure(ctx) -> dict:
+    """Capacity 4096: 'a' (3000 B) fills it; 'b' (2000 B) times out, 'a' is not evicted;
+    after 'a' is released 'b' fits; 'c' blocks until a consumer releases 'b'."""
+    pool = ctx.open(4096)
+    out: dict = {}
+    consumer = ctx.size - 1
+    if ctx.rank == 0:
+        pool.put("a", torch.full((750,), 1.0))
+        start = time.monotonic()
+        try:
+            pool.put("b", torch.full((500,), 2.0), timeout=0.3)
+        except PoolFull as exc:
+            out["full"] = str(exc)
+        out["full_after_s"] = time.monotonic() - start
+    ctx.barrier.wait()
+    if ctx.rank == consumer:
+        assert pool.get("a", timeout=5).equal(torch.full((750,), 1.0)), "an unconsumed object changed"
+        pool.release("a")
+    ctx.barrier.wait()
+    if ctx.rank == 0:
+        pool.put("b", torch.full((500,), 2.0), timeout=5)
+        start = time.monotonic()
+        pool.put("c", torch.full((750,), 3.0), timeout=20)  # waits for 'b' to be released
+        out["blocked_s"] = time.monotonic() - start
+    if ctx.rank == consumer:
+        assert pool.get("b", timeout=5).equal(torch.full((500,), 2.0))
+        time.sleep(0.5)
+        pool.release("b")
+        assert pool.get("c", timeout=20).equal(torch.full((750,), 3.0))
+        pool.release("c")
+    ctx.barrier.wait()
+    pool.close()
+    return out
+
+
+def timeouts(ctx) -> dict:
+    pool = ctx.open(1 << 16)
+    out: dict = {}
+    if ctx.rank == 0:
+        pool.announce(["late", "w1", "w2"])
+    ctx.barrier.wait()
+    if ctx.rank == 1:
+        for key, wait in (("late", 0.5), ("nobody", 0.3)):
+            start = time.monotonic()
+            try:
+                pool.get(key, timeout=wait)
+            except PoolTimeout as exc:
+                out[key] = (str(exc), time.monotonic() - start)
+    ctx.barrier.wait()
+    if ctx.rank == 0:
+        time.sleep(0.2)
+        pool.put("w1", torch.ones(3))
+        pool.put("w2", torch.zeros(2))
+        pool.put("late", torch.arange(4))
+    if ctx.rank == 1:
+        handles = pool.wait_ready(["w1", "w2"], timeout=10)
+        out["ready"] = [h.key for h in handles]
+        assert pool.get("late", timeout=10).equal(torch.arange(4))
+    ctx.barrier.wait()
+    pool.close()
+    return out
+
+
+def release(ctx) -> dict:
+    """Capacity for exactly one object: it comes back after a release, and only then."""
+    pool = ctx.open(512)
+    out: dict = {}
+    if ctx.rank == 0:
+        pool.put("r", torch.ones(100))
+    ctx.barrier.wait()
+    if ctx.rank == 1:
+        assert pool.get("r", timeout=5).equal(torch.ones(100))
+        pool.release("r")
+        out["ready_after_release"] = pool.ready("r")
+        try:
+            pool.release("r")
+        except KeyError as exc:
+            out["double_release"] = str(exc)
+    ctx.barrier.wait()
+    if ctx.rank == 2:
+        try:
+            pool.get("r", timeout=0.3)
+        except PoolTimeout as exc:
+            out["get_released"] = str(exc)
+    ctx.barrier.wait()
+    if ctx.rank == 0:
+        pool.put("r", torch.full((100,), 7.0), timeout=5)  # the same key and bytes, reused
+    ctx.barrier.wait()
+    if ctx.rank == 1:
+        assert pool.get("r", timeout=5).equal(torch.full((100,), 7.0))
+        pool.release("r")
+    ctx.barrier.wait()
+    pool.close()
+    return out
+
+
+ITEMS = 8
+
+
+def concurrent(ctx) -> dict:
+    """All but the last rank produce at once into room for 3 objects each; the last rank
+    consumes everything as it arrives, in an order interleaving the producers."""
+    pool = ctx.open(3 * 4096)
+    producers = ctx.size - 1
+    got = 0
+    if ctx.rank < producers:
+        for i in range(ITEMS):
+            pool.put(f"c/{ctx.rank}/{i}", torch.full((1000,), float(ctx.rank * 100 + i)), {"i": i}, timeout=20)
+    else:
+        for i in range(ITEMS):
+            for producer in range(producers):
+                key = f"c/{producer}/{i}"
+                handle = pool.handle(key, timeout=20)
+                assert handle.owner == ctx.owner(producer) and handle.meta == {"i": i}
+                assert pool.get(handle).equal(torch.full((1000,), float(producer * 100 + i)))
+                pool.release(key)
+                got += 1
+    ctx.barrier.wait()
+    pool.close()
+    return {"got": got}
+
+
+def producer_death(ctx) -> dict:
+    """Rank 0 claims a key and dies; every consumer learns it, naming rank 0, well inside
+    its (long) timeout."""
+    pool = ctx.open(1 << 16)
+    if ctx.rank == 0:
+        pool.announce(["doomed"])
+    ctx.barrier.wait()
+    if ctx.rank == 0:
+        time.sleep(0.3)  # the consumers are waiting by now
+        raise Die()
+    start = time.monotonic()
+    try:
+        pool.get("doomed", timeout=30)
+    except ProducerDied as exc:
+        return {"error": str(exc), "after_s": time.monotonic() - start}
+    finally:
+        pool.close()
+    raise AssertionError("get of a dead producer's key returned")
+
