@@ -14,7 +14,8 @@ action says, in order:
   (:mod:`.transport`);
 - ``BCAST`` / ``REDUCE``: parameters of a replicated region from its first replica, and the
   sum of its replicas' gradients (over the same point-to-point transport);
-- ``PUT`` / ``GET``: the in-process (``local``) pool only, until the pool exists.
+- ``PUT`` / ``GET``: through the executor's :mod:`mindspeed_flow.pool` (any backend; the
+  getter releases what it took), or an in-process dict when no pool is given.
 
 The runtime's contract is *eager semantics*: a send never blocks the program.  Every plan is
 validated under eager semantics before its first step (a rendezvous plan passes too), so no
@@ -100,11 +101,14 @@ class Executor:
         group: process group of those ranks (``None``: the default group).
         store: where failures are reported to the other ranks (default: the default
             process group's store; ``None``: no board, failures surface by timeout).
+        pool: the :class:`mindspeed_flow.pool.Pool` of ``PUT``/``GET`` actions (``None``:
+            puts and gets must be on the same rank).
     """
 
     def __init__(self, rank: int, ranks: Sequence[int], group: Any = None, store: Any = _DEFAULT_STORE,
-                 options: RuntimeOptions | None = None) -> None:
+                 options: RuntimeOptions | None = None, pool: Any = None) -> None:
         self.rank = rank
+        self.pool = pool
         self.ranks = list(ranks)
         self.group = group
         self.options = options or RuntimeOptions()
@@ -241,6 +245,8 @@ class _Step:
         self.outputs: dict[tuple[int, str], torch.Tensor] = {}  # a visit's output (with its graph)
         self.grads: dict[tuple[int, str], torch.Tensor | None] = {}  # gradients of outputs
         self.pool: dict[tuple[int, str], torch.Tensor] = {}
+        self.shared_pool = executor.pool
+        self.step_number = executor.steps
         self.store: list = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int)
         self.handlers = {
@@ -389,10 +395,23 @@ class _Step:
         tensor = self.transport.recv(a.peer, self.tags[(a.key, a.microbatch)], self.device(a), self.describe(a))
         self.inbound(a, tensor)
 
+    def pool_key(self, a: Action) -> str:
+        return f"step{self.step_number}/{a.key}/mb{a.microbatch}"
+
     def put(self, a: Action) -> None:
+        if self.shared_pool is not None:
+            meta = {"microbatch": a.microbatch, "key": a.key, "rank": self.rank}
+            self.shared_pool.put(self.pool_key(a), self.outbound(a), meta, timeout=self.transport.policy.timeout_s)
+            return
         self.pool[(a.microbatch, a.key)] = self.outbound(a)
 
     def get(self, a: Action) -> None:
+        if self.shared_pool is not None:
+            key = self.pool_key(a)
+            tensor = self.shared_pool.get(key, timeout=self.transport.policy.timeout_s)
+            self.shared_pool.release(key)
+            self.inbound(a, tensor.to(self.device(a)))
+            return
         try:
             tensor = self.pool.pop((a.microbatch, a.key))
         except KeyError:
