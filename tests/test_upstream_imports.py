@@ -9,30 +9,25 @@ so both outcomes are exercised whatever checkout a machine has.
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from subprocess_utils import run_python
+from test_doctor import write_tree
 from upstream_imports import require_importable
 
 IMPORT_TRAINING = "import megatron.training\nprint('imported')\n"
 
 
 def plant(root: Path, schedules_imports: str) -> Path:
-    files = {
+    return write_tree(root, {
         "megatron/__init__.py": "",
         "megatron/core/__init__.py": "",
         "megatron/core/pipeline_parallel/__init__.py": "from .schedules import get_forward_backward_func\n",
         "megatron/core/pipeline_parallel/schedules.py": schedules_imports + "\ndef get_forward_backward_func():\n    pass\n",
         "megatron/training/__init__.py": "from megatron.core.pipeline_parallel import get_forward_backward_func\n",
-    }
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    return root
+    })
 
 
 def test_a_checkout_that_imports_triton_is_skipped_with_the_reason(tmp_path):
