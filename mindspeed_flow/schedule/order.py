@@ -6,6 +6,8 @@ transposed ViT on the ranks of the LLM pipeline) they are merged by a list sched
 nominal durations: every rank starts, among the next steps of its orders whose inputs are
 done, the one that can start first (ties: the visit nearer the loss, which is on the
 critical path).  Each order stays as its skeleton wrote it; only the interleaving is chosen.
+A transposed region with ``order="prefix"`` is not interleaved by readiness: its rank's
+order is fixed as the public Mpipe code fixes it (:func:`_prefixed`).
 """
 
 from __future__ import annotations
