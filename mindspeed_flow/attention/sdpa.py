@@ -11,7 +11,8 @@ the window (by the segment when the window is unbounded on one side), never by t
 
 Dropout: PyTorch's CPU flash kernel has no dropout, so SDPA with ``dropout_p > 0`` on CPU
 falls back to its math kernel, which materialises the ``[n, H, L, L]`` scores of a whole
-segment (4 heads x one 8k segment: +3.1 GB).  On CPU a dropout call therefore goes one
+segment (4 heads x one 8k segment, forward+backward: 4.1 GB, see
+scripts/bench_attention_dropout.py).  On CPU a dropout call therefore goes one
 query block at a time, each block under activation checkpointing (the RNG state is
 replayed, so the recomputed dropout mask is the same): forward and backward hold the
 scores of one ``BLOCK x L`` block, never of the segment.  Devices with a fused dropout
