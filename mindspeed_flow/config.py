@@ -18,6 +18,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from mindspeed_flow.recipes.flags import RECIPE_VALUE_DESTS, add_recipe_arguments
+
 ENV_VAR = "MINDSPEED_FLOW_FLAGS"
 MASTER_FLAG = "--use-flowtrain"
 POOL_BACKENDS = ("local", "shm", "torch", "mooncake", "memfabric")
@@ -45,6 +47,10 @@ FEATURES: tuple[FeatureSpec, ...] = (
     FeatureSpec("allocator", "--flow-allocator", "heterogeneous parallel-configuration allocator (HiGHS)"),
     FeatureSpec("fused_attn", "--flow-fused-attn", "fused varlen attention, no dense masks for packed batches"),
     FeatureSpec("conv_matmul", "--flow-conv-matmul", "ViT patch embedding Conv -> Matmul"),
+    FeatureSpec("recipes", "--flow-recipes", "convergence recipes (per-module LR); each acts only when its "
+                "value is given (--flow-module-lr ...)"),
+    FeatureSpec("system", "--flow-system", "NUMA-aware core binding per local rank and Ascend environment "
+                "defaults (never overriding a set variable)"),
 )
 FEATURE_NAMES = tuple(f.name for f in FEATURES)
 
@@ -66,6 +72,7 @@ def add_flow_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--flow-schedule-config", default=None, metavar="PATH",
                        help="YAML schedule layout (regions, skeletons, trainable bits, in-flight limits) that "
                             "--flow-schedule runs (default: Megatron's own 1F1B / interleaved layout)")
+    add_recipe_arguments(group)
     return parser
 
 
@@ -126,6 +133,10 @@ class FlowConfig:
             if spec.name == "pool" and backend is not None:
                 if explicit is False:
                     raise ValueError(f"--no-flow-pool contradicts --flow-pool-backend {backend}")
+                explicit = True
+            if spec.name == "recipes" and any(pick(d) for d in RECIPE_VALUE_DESTS):
+                if explicit is False:
+                    raise ValueError("--no-flow-recipes contradicts the recipe values given (--flow-module-lr ...)")
                 explicit = True
             if explicit or (explicit is None and master):
                 features.add(spec.name)

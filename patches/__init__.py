@@ -18,7 +18,7 @@ from mindspeed_flow.patching import Patch, PatchRegistry
 # Feature modules, in the order their patches are listed.  A feature whose module is not
 # here has no patches yet: its flag is accepted and the activation log says so.
 FEATURE_MODULES = ("core", "fused_attn", "conv_matmul", "packing_accounting", "packing_loader", "allocator",
-                   "schedule")
+                   "schedule", "recipes")
 
 
 def all_patches() -> list[Patch]:

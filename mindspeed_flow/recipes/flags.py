@@ -1,0 +1,22 @@
+"""The recipe flags: values that act under the ``recipes`` feature.
+
+Every value is off by default, so ``--use-flowtrain`` (which turns the feature on) changes
+no number of a run that did not give one; giving a value turns the feature on.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .module_lr import MODULE_PREFIXES
+
+# (flag, dest) of every value that implies the feature.
+RECIPE_VALUE_DESTS = ("flow_module_lr", "flow_module_lr_warmup")
+
+
+def add_recipe_arguments(group: argparse._ArgumentGroup) -> None:
+    names = ", ".join(MODULE_PREFIXES)
+    group.add_argument("--flow-module-lr", nargs="+", default=None, metavar="PREFIX=MULT",
+                       help=f"learning-rate multiplier per parameter-name prefix ({names}); implies --flow-recipes")
+    group.add_argument("--flow-module-lr-warmup", nargs="+", default=None, metavar="PREFIX=STEPS",
+                       help="an own linear warm-up (steps) per prefix, on top of the schedule; implies --flow-recipes")

@@ -1,0 +1,131 @@
+"""Per-module learning rates: a multiplier and an optional own linear warm-up per module.
+
+A module is a parameter-name prefix (MindSpeed-MM's ``image_encoder.encoder``,
+``image_encoder.projector``, ``text_decoder``).  Megatron builds the optimizer's param
+groups; :func:`split_param_groups` splits each of them into one group per configured
+module and tags it, and :func:`module_lr` turns the schedule's learning rate into the
+module's::
+
+    lr_module(step) = lr_schedule(step) * mult * min(1, step / warmup)   (warmup > 0)
+    lr_module(step) = lr_schedule(step) * mult                            (warmup = 0)
+
+A module whose multiplier is 1 and warm-up 0 is left in Megatron's groups untouched, so a
+run with every multiplier at 1 builds exactly the groups it would without the recipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+import torch
+
+MODULE_PREFIXES = ("image_encoder.encoder", "image_encoder.projector", "text_decoder")
+MODULE_KEY = "flow_module"
+MULT_KEY = "flow_lr_mult"
+WARMUP_KEY = "flow_lr_warmup_steps"
+_WRAPPER_PREFIX = "module."
+
+T = TypeVar("T")
+
+
+class RecipeConfigError(ValueError):
+    """A recipe flag's value is malformed; the message names the flag and the entry."""
+
+
+@dataclass(frozen=True)
+class ModuleLR:
+    """One module's learning-rate setting."""
+
+    prefix: str
+    mult: float = 1.0
+    warmup_steps: int = 0
+
+    @property
+    def is_identity(self) -> bool:
+        return self.mult == 1.0 and self.warmup_steps == 0
+
+
+def parse_assignments(entries: Sequence[str] | None, flag: str, cast: Callable[[str], T],
+                      check: Callable[[T], bool], expected: str) -> dict[str, T]:
+    """``["PREFIX=VALUE", ...]`` -> ``{prefix: value}``; a bad entry raises naming ``flag``."""
+    values: dict[str, T] = {}
+    for entry in entries or ():
+        prefix, sep, raw = entry.partition("=")
+        if not sep or not prefix:
+            raise RecipeConfigError(f"{flag}: {entry!r} is not PREFIX=VALUE (e.g. image_encoder.encoder=0.1)")
+        try:
+            value = cast(raw)
+        except ValueError:
+            raise RecipeConfigError(f"{flag}: {entry!r}: {raw!r} is not {expected}") from None
+        if not check(value):
+            raise RecipeConfigError(f"{flag}: {entry!r}: value must be {expected}")
+        if prefix in values:
+            raise RecipeConfigError(f"{flag}: module {prefix!r} given twice")
+        values[prefix] = value
+    return values
+
+
+def module_lr_settings(mults: Sequence[str] | None, warmups: Sequence[str] | None) -> tuple[ModuleLR, ...]:
+    """The settings of ``--flow-module-lr`` and ``--flow-module-lr-warmup``."""
+    mult = parse_assignments(mults, "--flow-module-lr", float, lambda v: v > 0 and v == v and v != float("inf"),
+                             "a positive finite number")
+    warm = parse_assignments(warmups, "--flow-module-lr-warmup", int, lambda v: v >= 0, "an integer >= 0")
+    prefixes = list(dict.fromkeys([*mult, *warm]))
+    return tuple(ModuleLR(p, mult.get(p, 1.0), warm.get(p, 0)) for p in prefixes)
+
+
+def strip_wrappers(name: str) -> str:
+    """``module.module.text_decoder.x`` (DDP / Float16Module) -> ``text_decoder.x``."""
+    while name.startswith(_WRAPPER_PREFIX):
+        name = name[len(_WRAPPER_PREFIX):]
+    return name
+
+
+def module_of(name: str, settings: Sequence[ModuleLR]) -> ModuleLR | None:
+    """The setting whose prefix is the longest that names ``name`` (``None``: no module)."""
+    name = strip_wrappers(name)
+    hits = [s for s in settings if name == s.prefix or name.startswith(s.prefix + ".")]
+    return max(hits, key=lambda s: len(s.prefix)) if hits else None
+
+
+def split_param_groups(groups: list[dict[str, Any]], named_parameters: Iterable[tuple[str, torch.Tensor]],
+                       settings: Sequence[ModuleLR]) -> list[dict[str, Any]]:
+    """Each group split by module; a module's group carries its multiplier and warm-up.
+
+    Parameters of identity modules (and of no module) stay in the group they were in, in
+    their order; a group is emitted only if it holds parameters.
+    """
+    active = [s for s in settings if not s.is_identity]
+    if not active:
+        return groups
+    owner = {id(p): module_of(n, active) for n, p in named_parameters}
+    result: list[dict[str, Any]] = []
+    for group in groups:
+        parts: dict[ModuleLR | None, list[torch.Tensor]] = {}
+        for param in group["params"]:
+            parts.setdefault(owner.get(id(param)), []).append(param)
+        for setting, params in parts.items():
+            part = {**group, "params": params}
+            if setting is not None:
+                part.update({MODULE_KEY: setting.prefix, MULT_KEY: setting.mult, WARMUP_KEY: setting.warmup_steps})
+            result.append(part)
+    return result
+
+
+def module_lr(schedule_lr: float, group: dict[str, Any], step: int) -> float:
+    """The learning rate of ``group`` at ``step`` given the schedule's (see module doc)."""
+    if MODULE_KEY not in group:
+        return schedule_lr
+    lr = schedule_lr * group[MULT_KEY]
+    warmup = group[WARMUP_KEY]
+    if warmup > 0 and step < warmup:
+        lr = lr * step / warmup
+    return lr
+
+
+def describe(settings: Sequence[ModuleLR]) -> str:
+    if not settings:
+        return "per-module LR off"
+    return "per-module LR " + ", ".join(
+        f"{s.prefix} x{s.mult:g}" + (f" warm-up {s.warmup_steps}" if s.warmup_steps else "") for s in settings)
