@@ -54,6 +54,16 @@ def check_installed_patches(patches: Sequence[Patch]) -> list[PatchStatus]:
     return [live.get((r.feature, r.target), r) for r in rows]
 
 
+def pool_report() -> str:
+    """One line per pool backend (``--flow-pool-backend``): can it run here, or why not."""
+    from mindspeed_flow.pool.availability import backend_status
+
+    lines = ["pool backends (--flow-pool-backend):"]
+    for backend, reason in backend_status().items():
+        lines.append(f"  {backend:<10} " + ("can run here" if reason is None else f"cannot run here: {reason}"))
+    return "\n".join(lines)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "doctor", help="check every patch target against the installed upstream or a source checkout",
@@ -86,4 +96,5 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         print(format_table(rows))
         failures = sum(r.is_failure for r in rows)
         print(f"\n{len(rows)} patch(es), {failures} required target(s) missing or changed")
+        print("\n" + pool_report())
     return 1 if any(r.is_failure for r in rows) else 0

@@ -1,0 +1,65 @@
+"""The pool's job-facing edges: ``--flow-pool-backend`` picks the backend a job opens,
+``mindspeed-flow doctor`` says which backends can run here and why not, and bad input
+(metadata that would not round-trip, objects larger than the capacity) is refused naming
+the key."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from mindspeed_flow.config import add_flow_arguments
+from mindspeed_flow.doctor import pool_report
+from mindspeed_flow.pool import PoolFull, open_pool
+from mindspeed_flow.pool.job import open_job_pool
+from mindspeed_flow.pool.local import drop
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_flow_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_flag_selects_the_backend(tmp_path):
+    pool = open_job_pool(_args(["--flow-pool-backend", "shm"]), 1 << 12, environ={}, name=f"job-{tmp_path.name}")
+    try:
+        assert pool.backend == "shm"
+        assert pool.get(pool.put("k", torch.arange(3))).equal(torch.arange(3))
+    finally:
+        pool.close()
+        from mindspeed_flow.pool.shm import destroy
+
+        destroy(f"job-{tmp_path.name}")
+    local = open_job_pool(_args(["--flow-pool-backend", "local"]), 1 << 12, environ={}, name="job-local")
+    assert local.backend == "local"
+    local.close()
+    drop("job-local")
+    with pytest.raises(ValueError, match="did not ask for a pool"):
+        open_job_pool(_args([]), 1 << 12, environ={})
+
+
+def test_doctor_reports_each_backend(monkeypatch):
+    report = pool_report()
+    assert "local      can run here" in report and "memfabric  cannot run here" in report
+    import mindspeed_flow.pool.mooncake as mooncake
+
+    monkeypatch.setattr(mooncake, "master_binary", lambda: None)
+    assert "mooncake   cannot run here: mooncake_master is not on PATH" in pool_report()
+
+
+def test_bad_input_is_refused_naming_the_key():
+    pool = open_pool("local", capacity_bytes=256, name="bad-input", owner="p0")
+    try:
+        with pytest.raises(TypeError, match=r"pool put \[m\]: metadata does not round-trip"):
+            pool.put("m", torch.ones(1), {"sample_ids": (1, 2)})
+        with pytest.raises(PoolFull, match=r"pool put \[big\] by p0: 400 bytes exceed"):
+            pool.put("big", torch.ones(100))
+        pool.put("k", torch.ones(1))
+        with pytest.raises(KeyError, match=r"\[k\].*already in the pool"):
+            pool.put("k", torch.ones(1))
+    finally:
+        pool.close()
+        drop("bad-input")
