@@ -40,19 +40,24 @@ def module_reasons(module: str, rejections: list[Rejection]) -> list[str]:
 
 
 def diagnose(found: CandidateSet, cluster: ClusterSpec) -> list[str]:
+    """One line per binding constraint (co-located candidates, when they were considered
+    and none fits, are named too)."""
     reasons = []
     if not found.encoders:
         reasons += module_reasons("encoder", found.rejections)
     if not found.backbones:
         reasons += module_reasons("backbone", found.rejections)
-    if reasons:
+    if any(r.module == "colocated" for r in found.rejections):
+        reasons += module_reasons("colocated", found.rejections)
+    if not found.encoders or not found.backbones:
         return reasons
     enc = min(found.encoders, key=lambda e: e.devices)
     bb = min(found.backbones, key=lambda b: b.devices)
     need = enc.devices + bb.devices
     if need > cluster.devices:
-        return [f"device budget: the smallest plan needs {need} devices (encoder tp {enc.tp} dp {enc.dp}: "
-                f"{enc.devices} + backbone tp {bb.tp} pp {bb.pp} dp {bb.dp}: {bb.devices}), the budget is "
-                f"{cluster.devices}: short by {need - cluster.devices}"]
-    return [f"HiGHS found no plan although the smallest pair ({need} devices) fits {cluster.devices}: "
-            "please report this instance"]
+        return reasons + [
+            f"device budget: the smallest plan needs {need} devices (encoder tp {enc.tp} dp {enc.dp}: "
+            f"{enc.devices} + backbone tp {bb.tp} pp {bb.pp} dp {bb.dp}: {bb.devices}), the budget is "
+            f"{cluster.devices}: short by {need - cluster.devices}"]
+    return reasons + [f"HiGHS found no plan although the smallest pair ({need} devices) fits {cluster.devices}: "
+                      "please report this instance"]
