@@ -10,6 +10,7 @@ Elsewhere (the main suite's environment) the run-based tests skip and say why.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from dataclasses import replace
@@ -31,6 +32,9 @@ FP32 = Job(samples=SAMPLES, precision="fp32", flash_attn=True)
 BF16 = Job(samples=SAMPLES, precision="bf16", flash_attn=False)
 
 
+REPORTS: list[str] = []  # each run's stand-in report, printed at the end of the session
+
+
 class Runs:
     """Upstream runs by name, each made on first use; plugin runs load the plain run's
     initial weights so every run starts from the same parameters."""
@@ -43,6 +47,7 @@ class Runs:
         if name not in self._done:
             load = self.get(like).initial_weights if like else None
             self._done[name] = run_upstream(job, self.root / name, plugin=plugin, load=load)
+            REPORTS.append(self._done[name].report)
         return self._done[name]
 
     def get(self, name: str) -> UpstreamRun:
@@ -59,9 +64,29 @@ class Runs:
         return self._run(name, job, plugin, like)
 
 
+def pinned(package: str) -> str | None:
+    """The version ``constraints.txt`` pins ``package`` to with ``==``, if it does."""
+    for line in (Path(__file__).parent / "constraints.txt").read_text().splitlines():
+        name, _, version = line.split("#")[0].strip().partition("==")
+        if name.strip().lower() == package:
+            return version.strip()
+    return None
+
+
+def missing_dependencies() -> list[str]:
+    """Model dependencies that are absent, or present at another version than pinned."""
+    missing = []
+    for module in MODEL_DEPENDENCIES:
+        if importlib.util.find_spec(module) is None:
+            missing.append(module)
+        elif pinned(module) and importlib.metadata.version(module) != pinned(module):
+            missing.append(f"{module}=={pinned(module)} (found {importlib.metadata.version(module)})")
+    return missing
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Runs:
-    missing = [m for m in MODEL_DEPENDENCIES if importlib.util.find_spec(m) is None]
+    missing = missing_dependencies()
     if missing:
         message = (f"upstream harness needs {', '.join(missing)} (MindSpeed-MM's pins): run "
                    "`bash scripts/test_upstream.sh`, which builds its own environment")
@@ -69,3 +94,11 @@ def runs(tmp_path_factory) -> Runs:
             pytest.fail(message)
         pytest.skip(message)
     return Runs(tmp_path_factory.mktemp("upstream_runs"))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """What was real in the upstream runs: the stand-in symbols and the kernels each called."""
+    if REPORTS:
+        terminalreporter.section("upstream harness: stood in / called")
+        for report in REPORTS:
+            terminalreporter.write_line(report)

@@ -197,8 +197,11 @@ def gradients(model) -> dict[str, torch.Tensor]:
 def load_initial_weights(model) -> None:
     """This stage's share of a saved state (saved by a run of any pipeline size)."""
     saved: dict = {}
-    for state in torch.load(JOB["load"].format(rank=0), weights_only=False):
-        saved.update(state)
+    rank = 0
+    while Path(JOB["load"].format(rank=rank)).is_file():  # every stage of the saving run
+        for state in torch.load(JOB["load"].format(rank=rank), weights_only=False):
+            saved.update(state)
+        rank += 1
     for chunk in unwrapped(model):
         local = chunk.state_dict()
         chunk.load_state_dict({key: saved[global_name(key)] for key in local})

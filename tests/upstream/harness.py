@@ -13,17 +13,21 @@ Usage from a test (this folder is on ``sys.path`` under pytest)::
     from harness import Job, run_upstream, sample_specs
 
     job = Job(samples=sample_specs(3), layout="microbatches")  # or layout="packed"
-    plain = run_upstream(job, tmp_path / "plain")                     # upstream as is
-    ours = run_upstream(job, tmp_path / "ours", plugin=True,         # + --use-flowtrain,
-                        load=plain.initial_weights)                   # same initial weights
-    ours.loss, ours.grads["module.text_decoder..."], ours.result["standin"]["called"]
+    plain = run_upstream(job, tmp_path / "plain")                    # upstream as is
+    ours = run_upstream(job, tmp_path / "ours", plugin=True,        # + PATCH_FEATURE_FLAGS,
+                        load=plain.initial_weights)                  # same initial weights
+    ours.loss, ours.grads["module.text_decoder.output_layer.weight"], ours.report
 
 ``Job`` fields choose the precision (``"fp32"``: parameters in fp32, the M-RoPE tables
 still bf16 as upstream hard-codes them; ``"bf16"``: upstream's own ``--bf16`` setting),
 ``--use-flash-attn``, the pipeline size (``pp=2`` runs two gloo processes under
-torchrun) and extra upstream flags.  ``upstream_sources()`` alone gives the unpacked
-checkouts (``doctor --src`` tests, from ``tests/pinned_upstream.py``); ``upstream_env()``
-the environment a subprocess needs.
+torchrun), extra upstream flags, and submodules whose forward outputs to keep
+(``capture``, read back with ``run.captures()``).  Gradients are keyed by global parameter
+name, so runs of different pipeline sizes compare directly.  Each run also records
+``DotProductAttention.forward``'s wrapper chain and, with the plugin, the patch report.
+In this folder, ``conftest.Runs`` shares named runs between tests (one subprocess each).
+``upstream_sources()`` (``tests/pinned_upstream.py``) gives the unpacked checkouts;
+``upstream_env()`` the environment a subprocess needs.
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -131,7 +135,7 @@ class UpstreamRun:
 
     workdir: Path
     results: list[dict]
-    stdout: str
+    output: str  # the run's stdout and stderr
     grads_files: list[Path] = field(default_factory=list)
     initial_weights: Path | None = None
     report: str = ""  # what was stood in and which stand-in kernels each rank called
@@ -160,6 +164,19 @@ class UpstreamRun:
                     raise AssertionError(f"{name} has gradients on two pipeline stages")
                 merged[name] = grad
         return merged
+
+
+def _run_in_own_group(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Run to completion; on timeout kill the whole process group (torchrun's workers too)."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return -signal.SIGKILL, f"timed out after {RUN_TIMEOUT_S} s\n{output}"
+    return proc.returncode, output
 
 
 def _free_port() -> int:
@@ -195,10 +212,9 @@ def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | Non
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job.pp),
                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *script]
     # cwd is the work folder, not the driver's: the script's folder must come from the launcher.
-    proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise RuntimeError(f"upstream run failed ({proc.returncode}): {' '.join(command)}\n{output[-8000:]}")
+    returncode, output = _run_in_own_group(command, workdir, env)
+    if returncode != 0:
+        raise RuntimeError(f"upstream run failed ({returncode}): {' '.join(command)}\n{output[-8000:]}")
     results = [json.loads(Path(spec["result"].format(rank=r)).read_text()) for r in ranks]
     run = UpstreamRun(workdir, results, output, [Path(spec["grads"].format(rank=r)) for r in ranks],
                       workdir / "initial_{rank}.pt" if save_initial else None)

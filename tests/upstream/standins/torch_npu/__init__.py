@@ -20,6 +20,24 @@ STANDIN = True
 torch.utils.rename_privateuse1_backend("npu")
 torch._register_device_module("npu", npu)
 
+
+class _NoNpuHooks(torch._C._acc.PrivateUse1Hooks):
+    """The backend's hooks say no NPU is there, so torch (``dist.barrier`` picking a device,
+    for one) keeps to the CPU instead of failing on an unregistered backend."""
+
+    def is_available(self) -> bool:
+        return False
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return False
+
+    def is_built(self) -> bool:
+        return False
+
+
+_HOOKS = _NoNpuHooks()  # referenced for the life of the process: torch keeps a raw pointer
+torch._C._acc.register_python_privateuseone_hook(_HOOKS)
+
 unsupported_dtype = [torch.float64]
 _record.declare("torch_npu.npu", "torch.npu", "torch_npu.unsupported_dtype", "torch_npu.__version__")
 
