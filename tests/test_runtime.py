@@ -129,11 +129,17 @@ def _fault_worker(rank: int, world_size: int, mode: str) -> dict:
         if rank == 1 and model is parts["llm1"] and m == FAILING[3]:
             if mode == "die":
                 os._exit(3)  # noqa: SLF001 - a rank dying without a word
+            if mode == "hang":
+                time.sleep(4.0)  # alive, but past the others' 1.5 s timeout
+                return output, loss
             output.register_hook(lambda grad: (_ for _ in ()).throw(ValueError("deliberate backward failure")))
         return output, loss
 
-    options = RuntimeOptions(wait=WaitPolicy(timeout_s=2.0, abort_poll_s=0.05))
+    options = RuntimeOptions(wait=WaitPolicy(timeout_s=1.5 if mode == "hang" else 2.0, abort_poll_s=0.05))
     executor = Executor(rank, [0, 1], options=options)
+    if mode == "hang":  # a first step imports what autograd loads lazily (seconds): not a hang
+        Executor(rank, [0, 1]).run(plan, forward_step, _bindings(rank, build(), make_batches(MICROBATCHES)))
+    torch.distributed.barrier()  # ranks start their step together: waits measure the step only
     start = time.monotonic()
     try:
         executor.run(plan, faulty_step, _bindings(rank, parts, make_batches(MICROBATCHES)))
@@ -151,6 +157,15 @@ def test_an_exception_in_one_ranks_backward_surfaces_on_every_rank():
     assert reports[1]["error"].startswith(f"{failing}: ValueError: deliberate backward failure")
     assert reports[0]["error"].startswith("r0 #") and failing in reports[0]["error"]
     assert all(r["seconds"] < 10 for r in reports)
+
+
+def test_a_hanging_rank_is_reported_after_the_timeout_and_learns_why():
+    waiting, hanging = launch(_fault_worker, 2, "hang", timeout_s=120)
+    assert waiting["error"].startswith("r0 #") and "no progress for 1.5 s waiting for `RECV_" in waiting["error"]
+    assert 1.5 <= waiting["seconds"] < 10
+    # the slow rank goes on, and stops at its next wait with rank 0's report
+    where_r0 = waiting["error"].split(":")[0]
+    assert hanging["error"].startswith("r1 #") and where_r0 in hanging["error"]
 
 
 def test_a_dying_rank_surfaces_on_the_others_within_the_timeout():
