@@ -39,6 +39,7 @@ _HOOKS = _NoNpuHooks()  # referenced for the life of the process: torch keeps a 
 torch._C._acc.register_python_privateuseone_hook(_HOOKS)
 
 unsupported_dtype = [torch.float64]
-_record.declare("torch_npu.npu", "torch.npu", "torch_npu.unsupported_dtype", "torch_npu.__version__")
+_record.declare("torch_npu.npu", "torch.npu", "torch_npu.unsupported_dtype", "torch_npu.__version__",
+                "PrivateUse1 backend \"npu\" (hooks: no NPU)")
 
 __all__ = ["npu", "npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "unsupported_dtype"]
