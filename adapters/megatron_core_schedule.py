@@ -170,7 +170,9 @@ def check_conflicts(args: Any) -> None:
 def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None:
     """The layout ``--flow-schedule-config`` names (``None``: Megatron's own).  A file with
     ``vlm: {transpose: true, ...}`` instead of ``regions:`` derives it from MindSpeed-MM's
-    ``vision_encoder`` / ``text_decoder`` ``pipeline_num_layers``."""
+    ``vision_encoder`` / ``text_decoder`` ``pipeline_num_layers``, read when the schedule is
+    first built: MindSpeed-MM merges its model config into ``args`` (``merge_mm_args``) only
+    after Megatron validated the arguments."""
     path = getattr(args, "flow_schedule_config", None)
     if not path:
         return None
@@ -179,7 +181,11 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
     from mindspeed_flow.runtime.layout import load_layout, vlm_layout
 
     doc = yaml.safe_load(open(path)) or {}
-    if isinstance(doc, dict) and "vlm" in doc:
+    if not (isinstance(doc, dict) and "vlm" in doc):
+        return lambda stages, chunks: load_layout(path, stages)
+    options = dict(doc["vlm"] or {})
+
+    def from_mindspeed_mm(stages: int, chunks: int) -> Sequence[Region]:
         model = getattr(getattr(args, "mm", None), "model", None)
         try:
             vision = model.image_encoder.vision_encoder.pipeline_num_layers
@@ -187,9 +193,13 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
         except AttributeError:
             raise ValueError(f"{path}: `vlm:` needs MindSpeed-MM's model config (args.mm.model with "
                              "image_encoder.vision_encoder and text_decoder pipeline_num_layers)") from None
-        options = dict(doc["vlm"] or {})
-        return lambda stages, chunks: vlm_layout(vision, text, **options)
-    return lambda stages, chunks: load_layout(path, stages)
+        try:
+            return vlm_layout(vision, text, **options)
+        except TypeError as exc:
+            raise ValueError(f"{path}: vlm: {exc}") from None
+
+    from_mindspeed_mm.deferred = True  # type: ignore[attr-defined]
+    return from_mindspeed_mm
 
 
 def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -199,7 +209,7 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     parsed = args[0] if args else kwargs.get("args")
     check_conflicts(parsed)
     layout = layout_from_args(parsed)
-    if layout is not None:
+    if layout is not None and not getattr(layout, "deferred", False):
         stages = getattr(parsed, "pipeline_model_parallel_size", 1) or 1
         layout(stages, 1)
     configure(layout, SETTINGS.options)

@@ -64,11 +64,13 @@ def test_vlm_layout_from_mindspeed_mm_args(tmp_path):
     path.write_text("vlm: {transpose: true, vision_trainable: false}\n")
     model = SimpleNamespace(image_encoder=SimpleNamespace(vision_encoder=SimpleNamespace(pipeline_num_layers=[4, 0])),
                             text_decoder=SimpleNamespace(pipeline_num_layers=[2, 2]))
-    args = argparse.Namespace(flow_schedule_config=str(path), mm=SimpleNamespace(model=model))
-    vit, llm = adapter.layout_from_args(args)(2, 1)
-    assert (vit.num_layers, vit.trainable, llm.skeleton.layers) == (4, False, (2, 2))
+    args = argparse.Namespace(flow_schedule_config=str(path))
+    layout = adapter.layout_from_args(args)
     with pytest.raises(ValueError, match="needs MindSpeed-MM's model config"):
-        adapter.layout_from_args(argparse.Namespace(flow_schedule_config=str(path)))
+        layout(2, 1)
+    args.mm = SimpleNamespace(model=model)  # what merge_mm_args adds after validate_args
+    vit, llm = layout(2, 1)
+    assert (vit.num_layers, vit.trainable, llm.skeleton.layers) == (4, False, (2, 2))
     assert adapter.layout_from_args(argparse.Namespace(flow_schedule_config=None)) is None
 
 
