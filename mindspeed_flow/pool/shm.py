@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import os
 import shutil
-from multiprocessing import resource_tracker, shared_memory
+import warnings
+import mmap
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import torch
 
 from .base import Pool
+from .errors import ProducerDied
 from .handle import Handle
 from .index import FileIndex
 
-SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+SHM_ROOT = Path("/dev/shm")  # where Linux keeps POSIX shared memory
 
 
 class ShmPool(Pool):
@@ -29,7 +32,7 @@ class ShmPool(Pool):
         owner = owner or f"pid{os.getpid()}"
         self.segment = shared_memory.SharedMemory(name=self._segment_name(owner), create=True, size=capacity_bytes)
         self.view = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
-        self.mapped: dict[str, shared_memory.SharedMemory] = {}
+        self.mapped: dict[str, torch.Tensor] = {}
         super().__init__(FileIndex(SHM_ROOT / f"mindspeed_flow_pool-{name}"), owner, capacity_bytes, **options)
         self.index.set(f"pid/{owner}", str(os.getpid()).encode())
 
@@ -43,20 +46,24 @@ class ShmPool(Pool):
         if handle.owner == self.owner:
             view = self.view
         else:
-            segment = self.mapped.get(handle.owner)
-            if segment is None:
-                try:
-                    segment = shared_memory.SharedMemory(name=self._segment_name(handle.owner))
-                except FileNotFoundError:
-                    from .errors import ProducerDied
-
-                    raise ProducerDied(f"pool get [{handle.key}]: the segment of producer {handle.owner} is "
-                                       "gone (it closed or died before the object was read)") from None
-                # the owner unlinks its segment; this process only maps it
-                resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
-                self.mapped[handle.owner] = segment
-            view = torch.frombuffer(segment.buf, dtype=torch.uint8)
+            view = self.mapped.get(handle.owner)
+            if view is None:
+                view = self.mapped[handle.owner] = self._map(handle)
         return view[handle.offset: handle.offset + handle.nbytes].clone()
+
+    def _map(self, handle: Handle) -> torch.Tensor:
+        """The owner's block, mapped read-only straight from ``/dev/shm`` (not through
+        ``SharedMemory``, whose resource tracker would unlink a block it does not own)."""
+        path = SHM_ROOT / self._segment_name(handle.owner)
+        try:
+            with open(path, "rb") as f:
+                block = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        except FileNotFoundError:
+            raise ProducerDied(f"pool get [{handle.key}]: the segment of producer {handle.owner} is gone "
+                               "(it closed or died before the object was read)") from None
+        with warnings.catch_warnings():  # read-only on purpose: consumers only copy out
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(block, dtype=torch.uint8)
 
     def owner_alive(self, owner: str) -> bool:
         """Same node: the producer's process id answers at once."""
@@ -70,11 +77,11 @@ class ShmPool(Pool):
             return
         super().close()
         del self.view
-        for segment in [*self.mapped.values(), self.segment]:
-            try:
-                segment.close()
-            except BufferError:  # a tensor still maps it: the mapping ends with the process
-                pass
+        self.mapped.clear()
+        try:
+            self.segment.close()
+        except BufferError:  # a tensor still maps it: the mapping ends with the process
+            pass
         self.segment.unlink()
 
 
