@@ -35,18 +35,19 @@ def _transpose_worker(rank: int, world_size: int, frozen: bool) -> dict:
     """Both plans (eager, rendezvous) of `<transpose, 1f1b>`; rank 1's encoder starts from
     other weights, so only the broadcast can make it equal the reference."""
     out = {}
-    for semantics in ("eager", "rendezvous"):
+    for semantics, bound in (("eager", None), ("rendezvous", None), ("rendezvous-bounded", 1)):
         parts = build(frozen_encoder=frozen)
         if rank == 1 and not frozen:
             with torch.no_grad():
                 for p in parts["vit"].parameters():
                     p.add_(1.0)
-        plan = compose(_regions(frozen), MICROBATCHES, semantics=semantics)
-        executor = Executor(rank, [0, 1])
+        plan = compose(_regions(frozen), MICROBATCHES, semantics=semantics.split("-")[0])
+        executor = Executor(rank, [0, 1], options=RuntimeOptions(max_pending_sends=bound))
         result = executor.run(plan, forward_step, _bindings(rank, parts, make_batches(MICROBATCHES)))
         mine = {"vit": parts["vit"], f"llm{rank}": parts[f"llm{rank}"]}
         out[semantics] = {"losses": [float(d["loss"]) for d in result.forward_data_store],
-                          "grads": grads_of(mine), "timeline": result.timeline}
+                          "grads": grads_of(mine), "timeline": result.timeline,
+                          "peak_pending": result.peak_pending_sends}
     return out
 
 
@@ -67,7 +68,7 @@ def test_eager_only_plan_is_the_contract():
             validate(plan, semantics="rendezvous")
 
 
-@pytest.mark.parametrize("semantics", ["eager", "rendezvous"])
+@pytest.mark.parametrize("semantics", ["eager", "rendezvous", "rendezvous-bounded"])
 def test_transpose_1f1b_equals_single_process(transposed, semantics):
     frozen, (ref_losses, ref_grads), ranks = transposed
     first, last = (r[semantics] for r in ranks)
@@ -78,6 +79,14 @@ def test_transpose_1f1b_equals_single_process(transposed, semantics):
             if name.startswith(("vit.", f"llm{rank}.")):
                 torch.testing.assert_close(found["grads"][name], expected, rtol=1e-6, atol=1e-7, msg=name)
         assert set(found["grads"]) == {n for n in ref_grads if n.startswith(("vit.", f"llm{rank}."))}
+
+
+def test_send_buffers_are_bounded_when_asked(transposed):
+    """A rendezvous plan runs with one tensor's send buffer alive at a time; unbounded, the
+    eager plan keeps several (its encoder replicas run ahead)."""
+    _, _, ranks = transposed
+    assert all(r["rendezvous-bounded"]["peak_pending"] == 1 for r in ranks)
+    assert max(r["eager"]["peak_pending"] for r in ranks) > 1
 
 
 def test_measured_timeline_draws_with_the_simulators_gantt(transposed, tmp_path):

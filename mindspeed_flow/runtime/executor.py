@@ -46,6 +46,7 @@ from .transport import AbortBoard, PeerFailure, Transport, WaitPolicy, Waiter
 _GRADIENT_TRANSFERS = frozenset({Kind.SEND_GRAD, Kind.RECV_GRAD})
 _SKIPPED_WHEN_FORWARD_ONLY = BACKWARDS | _GRADIENT_TRANSFERS | {Kind.GRAD_REDUCE}
 _DEFAULT_STORE = object()
+_SAMPLE_META = ("sample_ids", "token_counts")  # data item fields a pool put carries along
 _generations = itertools.count()
 
 
@@ -74,8 +75,12 @@ class RuntimeOptions:
     Attributes:
         wait: timeouts and polling of blocked receives (failures end the step within
             ``wait.timeout_s``, or ``wait.abort_poll_s`` after another rank reported one).
-        max_pending_sends: back-pressure on eager sends (``None``: none; all outstanding
-            sends are awaited at the end of the step).
+        max_pending_sends: at most this many tensors' send buffers alive: the oldest send is
+            awaited before another is posted (``None``: no bound; all outstanding sends are
+            awaited at the end of the step).  gloo completes a send once its receive is
+            posted, so any bound is safe for a plan valid under rendezvous semantics; an
+            eager-only plan (``<transpose, 1f1b>``) needs room for what it keeps in flight.
+            :attr:`StepResult.peak_pending_sends` reports what a step held.
     """
 
     wait: WaitPolicy = field(default_factory=WaitPolicy)
@@ -90,6 +95,7 @@ class StepResult:
     forward_data_store: list
     total_num_tokens: torch.Tensor
     timeline: Timeline
+    peak_pending_sends: int = 0
 
 
 class Executor:
@@ -183,7 +189,7 @@ class Executor:
             reason = f"{type(exc).__name__}: {exc}"
             board.post(f"{where(self.rank, index, action)}: {reason}")
             raise ActionFailed(self.rank, index, action, reason) from exc
-        return StepResult(step.store, step.total_num_tokens, timeline)
+        return StepResult(step.store, step.total_num_tokens, timeline, transport.peak_pending)
 
 
 def _last_backwards(program: Sequence[Action], keys: list[tuple[str, int]]) -> dict[int, list[int | None]]:
@@ -395,12 +401,22 @@ class _Step:
         tensor = self.transport.recv(a.peer, self.tags[(a.key, a.microbatch)], self.device(a), self.describe(a))
         self.inbound(a, tensor)
 
+    def sample_meta(self, a: Action) -> dict:
+        """``sample_ids`` / ``token_counts`` of the microbatch's data item (a dict), if it
+        has them and this rank read it: they travel with the embeddings in the pool."""
+        binding = self.bindings.get((a.region, a.stage))
+        feed = self.feeds.get(id(binding.data_iterator)) if binding is not None else None
+        item = feed.items[a.microbatch] if feed is not None and len(feed.items) > a.microbatch else None
+        if not isinstance(item, dict):
+            return {}
+        return {k: torch.as_tensor(item[k]).tolist() for k in _SAMPLE_META if k in item}
+
     def pool_key(self, a: Action) -> str:
         return f"step{self.step_number}/{a.key}/mb{a.microbatch}"
 
     def put(self, a: Action) -> None:
         if self.shared_pool is not None:
-            meta = {"microbatch": a.microbatch, "key": a.key, "rank": self.rank}
+            meta = {"microbatch": a.microbatch, "key": a.key, "rank": self.rank, **self.sample_meta(a)}
             self.shared_pool.put(self.pool_key(a), self.outbound(a), meta, timeout=self.transport.policy.timeout_s)
             return
         self.pool[(a.microbatch, a.key)] = self.outbound(a)

@@ -162,7 +162,7 @@ class Transport:
         group: the process group holding them (``None``: the default group).
         policy, board: see :func:`wait`.
         waiters: (sends, receives) :class:`Waiter` threads, kept by the executor.
-        max_pending_sends: back-pressure: with more sends outstanding than this, the
+        max_pending_sends: back-pressure: with this many tensors' sends outstanding, the
             oldest is waited for before another is posted (``None``: unbounded, all are
             waited for at the end of the step).
     """
@@ -183,8 +183,8 @@ class Transport:
         data = tensor.detach().contiguous()
         meta = header(data)
         dst = self.ranks[peer]
-        while self.max_pending_sends is not None and len(self.pending) >= self.max_pending_sends:
-            wait(self.pending.popleft(), self.policy, self.board)
+        while self.max_pending_sends is not None and len(self.pending) >= 2 * self.max_pending_sends:
+            wait(self.pending.popleft(), self.policy, self.board)  # a tensor is two messages
         for buffer, t in ((meta, 2 * tag), (data, 2 * tag + 1)):
             work = dist.isend(buffer, dst=dst, group=self.group, tag=t)
             self.pending.append(self.send_waiter.submit(work, (buffer,), what))
