@@ -1,4 +1,4 @@
-"""Megatron side of the ``recipes`` feature: per-module learning rates.
+"""Megatron side of the ``recipes`` feature: per-module learning rates and gradient clipping.
 
 ``megatron.core.optimizer._get_param_groups`` builds the groups (its signature changed
 between 0.12 and 0.16, but the first parameter is the model chunks in both): its result is
@@ -6,6 +6,13 @@ split by module (:func:`mindspeed_flow.recipes.module_lr.split_param_groups`).
 ``OptimizerParamScheduler.get_lr(param_group)`` (same in 0.12 and 0.16) gives the
 schedule's value for a group; the wrapper applies the module's multiplier and warm-up to
 it, so Megatron's own ``lr_mult`` (0.12's ``scale_lr_cond``) still multiplies on top.
+
+Per-module clipping runs right after ``ChainedOptimizer.prepare_grads`` (what
+``get_megatron_optimizer`` returns in 0.12 for a dense model), when the main gradients are
+ready and before the global norm.  Parameters are named by the group wrapper above
+(``_flow_name``), and main parameters are traced back to them through the mixed-precision
+optimizer's own group lists.  The distributed optimizer is refused (its shards are not
+whole parameters; not supported in this version).
 
 The settings come from Megatron's ``args`` when ``validate_args`` has run, else from the
 command line / ``MINDSPEED_FLOW_FLAGS`` (a job that builds its optimizer without Megatron's
@@ -21,16 +28,23 @@ import sys
 from typing import Any, Callable
 
 from mindspeed_flow.config import env_flags, parse_flow_flags
-from mindspeed_flow.recipes.module_lr import ModuleLR, describe, module_lr, module_lr_settings, split_param_groups
+from mindspeed_flow.recipes.module_clip import clip_grads_per_module
+from mindspeed_flow.recipes.module_lr import (
+    ModuleLR, RecipeConfigError, describe, grad_clip_settings, module_lr, module_lr_settings, split_param_groups,
+    strip_wrappers,
+)
 
 log = logging.getLogger(__name__)
 
+NAME_ATTR = "_flow_name"
+
 _settings: tuple[ModuleLR, ...] | None = None
+_clip: dict[str, float] = {}
 
 
 def configure(namespace: argparse.Namespace) -> tuple[ModuleLR, ...]:
     """Read (and check) the recipe values of ``namespace``; they apply from now on."""
-    global _settings
+    global _settings, _clip
     env = parse_flow_flags(env_flags())
 
     def pick(dest: str):
@@ -38,6 +52,7 @@ def configure(namespace: argparse.Namespace) -> tuple[ModuleLR, ...]:
         return value if value is not None else getattr(env, dest, None)
 
     _settings = module_lr_settings(pick("flow_module_lr"), pick("flow_module_lr_warmup"))
+    _clip = grad_clip_settings(pick("flow_module_grad_clip"))
     return _settings
 
 
@@ -45,17 +60,65 @@ def current_settings() -> tuple[ModuleLR, ...]:
     return _settings if _settings is not None else configure(parse_flow_flags(sys.argv[1:]))
 
 
+def current_clip() -> dict[str, float]:
+    current_settings()
+    return _clip
+
+
 def reset() -> None:
     """Forget the settings (tests; a new job in the same process)."""
-    global _settings
-    _settings = None
+    global _settings, _clip
+    _settings, _clip = None, {}
 
 
 def param_groups_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> list[dict]:
     groups = wrapped(*args, **kwargs)
     chunks = args[0] if args else kwargs["model_chunks"]
-    named = itertools.chain.from_iterable(chunk.named_parameters() for chunk in chunks)
+    named = list(itertools.chain.from_iterable(chunk.named_parameters() for chunk in chunks))
+    for name, param in named:
+        setattr(param, NAME_ATTR, strip_wrappers(name))
     return split_param_groups(groups, named, current_settings())
+
+
+def model_and_main_params(optimizer: Any) -> list[tuple[Any, Any]]:
+    """``(model param, param holding the main gradient)`` of one Megatron optimizer."""
+    if hasattr(optimizer, "shard_fp32_from_float16_groups"):
+        raise RecipeConfigError("--flow-module-grad-clip does not support --use-distributed-optimizer "
+                                "in this version (its main parameters are shards)")
+    if hasattr(optimizer, "float16_groups"):
+        pairs = [pair for model, main in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+                 for pair in zip(model, main)]
+        return pairs + [(p, p) for group in optimizer.fp32_from_fp32_groups for p in group]
+    if getattr(optimizer, "optimizer", None) is None:
+        return []
+    return [(p, p) for group in optimizer.optimizer.param_groups for p in group["params"]]
+
+
+def prepare_grads_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
+    """``ChainedOptimizer.prepare_grads()``, then each module's clip (skipped on inf/nan)."""
+    found_inf = wrapped(*args, **kwargs)
+    max_norms = current_clip()
+    if found_inf or not max_norms:
+        return found_inf
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    pairs = [pair for child in instance.chained_optimizers for pair in model_and_main_params(child)]
+    unnamed = [tuple(p.shape) for p, _ in pairs if not hasattr(p, NAME_ATTR)]
+    if unnamed:
+        raise RecipeConfigError(f"--flow-module-grad-clip: {len(unnamed)} parameter(s) (first of shape "
+                                f"{unnamed[0]}) were not grouped by megatron.core.optimizer._get_param_groups")
+    model_of = {id(main): model for model, main in pairs}
+
+    def counts(main: Any) -> bool:
+        model = model_of[id(main)]
+        return param_is_not_shared(model) and param_is_not_tensor_parallel_duplicate(model)
+
+    instance.flow_module_grad_norms = clip_grads_per_module(
+        [(getattr(model, NAME_ATTR), main) for model, main in pairs], max_norms,
+        group=instance.get_grad_stats_parallel_group(), counts_for_norm=counts)
+    log.debug("mindspeed-flow module grad norms: %s", instance.flow_module_grad_norms)
+    return found_inf
 
 
 def get_lr_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> float:
@@ -69,5 +132,5 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     namespace = args[0] if args else kwargs["args"]
     settings = configure(namespace)
     if getattr(namespace, "rank", 0) == 0:
-        log.info("mindspeed-flow recipes: %s", describe(settings))
+        log.info("mindspeed-flow recipes: %s; per-module grad clip %s", describe(settings), _clip or "off")
     return result

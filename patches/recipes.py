@@ -1,5 +1,6 @@
 """Feature ``recipes`` (``--flow-recipes``, implied by any recipe value): per-module
-learning rates on Megatron's optimizer param groups and LR scheduler."""
+learning rates on Megatron's optimizer param groups and LR scheduler, per-module gradient
+clipping after the optimizer's gradient preparation."""
 
 from mindspeed_flow.adapters import megatron_core_recipes as recipes
 from mindspeed_flow.patching import Patch
@@ -23,6 +24,14 @@ PATCHES = [
         params="self, param_group",
         checked=CHECKED,
         description="a module group's LR = schedule x multiplier x own warm-up",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.core.optimizer.optimizer:ChainedOptimizer.prepare_grads",
+        wrapper=recipes.prepare_grads_wrapper,
+        params="self",
+        checked=("megatron-core 0.12.3",),
+        description="clip each module's gradient (--flow-module-grad-clip) before the global norm",
     ),
     Patch(
         feature=FEATURE,

@@ -10,8 +10,8 @@ import argparse
 
 from .module_lr import MODULE_PREFIXES
 
-# (flag, dest) of every value that implies the feature.
-RECIPE_VALUE_DESTS = ("flow_module_lr", "flow_module_lr_warmup")
+# dest of every value that implies the feature.
+RECIPE_VALUE_DESTS = ("flow_module_lr", "flow_module_lr_warmup", "flow_module_grad_clip")
 
 
 def add_recipe_arguments(group: argparse._ArgumentGroup) -> None:
@@ -20,3 +20,5 @@ def add_recipe_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"learning-rate multiplier per parameter-name prefix ({names}); implies --flow-recipes")
     group.add_argument("--flow-module-lr-warmup", nargs="+", default=None, metavar="PREFIX=STEPS",
                        help="an own linear warm-up (steps) per prefix, on top of the schedule; implies --flow-recipes")
+    group.add_argument("--flow-module-grad-clip", nargs="+", default=None, metavar="PREFIX=MAX_NORM",
+                       help="clip each prefix's gradient norm before the global --clip-grad; implies --flow-recipes")

@@ -124,6 +124,12 @@ def module_lr(schedule_lr: float, group: dict[str, Any], step: int) -> float:
     return lr
 
 
+def grad_clip_settings(entries: Sequence[str] | None) -> dict[str, float]:
+    """The maximum norms of ``--flow-module-grad-clip``."""
+    return parse_assignments(entries, "--flow-module-grad-clip", float,
+                             lambda v: v > 0 and v != float("inf"), "a positive finite number")
+
+
 def describe(settings: Sequence[ModuleLR]) -> str:
     if not settings:
         return "per-module LR off"

@@ -1,0 +1,63 @@
+"""Per-module gradient clipping, before the global clip.
+
+Each configured module (a parameter-name prefix) has its own maximum norm; its gradient is
+scaled by ``max_norm / (norm + 1e-6)`` when that is below 1 (Megatron's global rule), so a
+spike in one modality does not shrink the other modules' updates through the global norm.
+
+A module's norm is over all of its parameters, wherever they live: the local sums of
+squares of every module are all-reduced in one tensor over ``group`` (pass the group
+Megatron reduces its global norm over: the model-parallel group for the plain optimizer,
+where data-parallel replicas hold equal gradients; the whole world for the distributed
+one).  ``counts_for_norm`` leaves out parameters that another rank also holds (tensor-
+parallel duplicates), as Megatron does; their gradients are still scaled.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .module_lr import strip_wrappers
+
+EPS = 1e-6
+
+
+def owner(name: str, prefixes: Iterable[str]) -> str | None:
+    """The longest prefix that names parameter ``name`` (``None``: none does)."""
+    name = strip_wrappers(name)
+    hits = [p for p in prefixes if name == p or name.startswith(p + ".")]
+    return max(hits, key=len) if hits else None
+
+
+@torch.no_grad()
+def clip_grads_per_module(named_params: Iterable[tuple[str, torch.Tensor]], max_norms: Mapping[str, float],
+                          group: dist.ProcessGroup | None = None,
+                          counts_for_norm: Callable[[torch.Tensor], bool] = lambda p: True) -> dict[str, float]:
+    """Clip each module's gradients to its maximum norm in place; returns the norms before.
+
+    Every rank must call this with the same ``max_norms`` (one collective, modules in sorted
+    order), also a rank that holds none of a module's parameters.
+    """
+    modules = sorted(max_norms)
+    index = {m: i for i, m in enumerate(modules)}
+    sums = torch.zeros(len(modules), dtype=torch.float64)
+    members: list[list[torch.Tensor]] = [[] for _ in modules]
+    for name, param in named_params:
+        grad = param.grad
+        module = owner(name, modules)
+        if grad is None or module is None:
+            continue
+        members[index[module]].append(grad)
+        if counts_for_norm(param):
+            sums[index[module]] += grad.detach().double().pow(2).sum()
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        dist.all_reduce(sums, group=group)
+    norms = sums.sqrt()
+    for i, module in enumerate(modules):
+        coeff = max_norms[module] / (float(norms[i]) + EPS)
+        if coeff < 1.0:
+            for grad in members[i]:
+                grad.mul_(coeff)
+    return {m: float(norms[i]) for i, m in enumerate(modules)}
