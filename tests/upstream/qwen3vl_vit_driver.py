@@ -15,7 +15,6 @@ both span the whole pack (a ``[.., S, S]`` mask or score matrix).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -88,25 +87,9 @@ def checkpoint(model) -> dict[str, torch.Tensor]:
         folder = Path(os.environ["MINDSPEED_FLOW_QWEN3VL_SAVE"])
         folder.mkdir(parents=True)  # as Megatron's save_checkpoint makes it
         bind_serialization_format()
-        with cpu_barrier():
-            dist_checkpointing.save(model.sharded_state_dict(), str(folder))
+        dist_checkpointing.save(model.sharded_state_dict(), str(folder))
         return dict(dist_checkpointing.load_plain_tensors(str(folder)))
     return {}
-
-
-@contextlib.contextmanager
-def cpu_barrier():
-    """``torch.distributed.barrier`` asks torch for the current accelerator, which fails
-    while a PrivateUse1 backend (the ``npu`` stand-in) is named but registers no hooks; the
-    save's closing barrier then runs as an all-reduce over the gloo group instead."""
-    import torch.distributed as dist
-
-    original = dist.barrier
-    dist.barrier = lambda group=None, *args, **kwargs: dist.all_reduce(torch.zeros(1), group=group)
-    try:
-        yield
-    finally:
-        dist.barrier = original
 
 
 def main() -> None:
