@@ -15,7 +15,7 @@ from megatron_cpu_harness import launch
 from mindspeed_flow.pool import open_pool
 from mindspeed_flow.pool.decoupled import DecoupledLayout
 from mindspeed_flow.runtime import Binding, Executor
-from runtime_models import build, forward_step, grads_of, make_batches, reference
+from runtime_models import PATCHES, TOKENS, build, forward_step, grads_of, make_batches, reference
 
 MICROBATCHES = 4
 LAYOUT = DecoupledLayout(encoder_dp=2, backbone_pp=2, max_ahead=1)
@@ -42,7 +42,8 @@ def _worker(rank: int, world_size: int, name: str, mooncake: dict) -> dict:
         if backend == "mooncake":
             options.update(mooncake)
         pool = open_pool(backend, capacity_bytes=1 << 20, **options)
-        bindings = {(region, stage): Binding(parts[part_name], iter(make_batches(MICROBATCHES)))}
+        seen = _record_handles(pool)
+        bindings = {(region, stage): Binding(parts[part_name], iter(_with_samples(make_batches(MICROBATCHES))))}
         result = Executor(rank, list(range(world_size)), pool=pool).run(plan, forward_step, bindings)
         dist.barrier()  # every consumer has read before a producer's segment goes
         pool.close()
@@ -52,8 +53,28 @@ def _worker(rank: int, world_size: int, name: str, mooncake: dict) -> dict:
             gathered = [torch.empty_like(flat) for _ in LAYOUT.encoder_ranks]
             dist.all_gather(gathered, flat, group=groups["vit"])
             assert all(torch.equal(gathered[0], g) for g in gathered), "encoder replicas disagree"
-        out[backend] = {"losses": [float(d["loss"]) for d in result.forward_data_store], "grads": grads}
+        out[backend] = {"losses": [float(d["loss"]) for d in result.forward_data_store], "grads": grads,
+                        "meta": [h.meta for h in seen]}
     return out
+
+
+def _with_samples(batches: list[dict]) -> list[dict]:
+    """Each microbatch names its samples and their token counts."""
+    return [{**b, "sample_ids": [10 * m, 10 * m + 1], "token_counts": [len(b["tokens"]), b["pixels"].shape[0]]}
+            for m, b in enumerate(batches)]
+
+
+def _record_handles(pool) -> list:
+    """The handles of what this rank got from the pool (the pool itself is real)."""
+    seen = []
+    lookup = pool.handle
+
+    def handle(key, timeout=None, producer=None):
+        seen.append(lookup(key, timeout, producer))
+        return seen[-1]
+
+    pool.handle = handle
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +98,12 @@ def test_decoupled_step_equals_single_process(decoupled, backend):
     found = [r[backend] for r in ranks]
     assert [f["losses"] for f in found[:3]] == [[], [], []]
     assert found[3]["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=0)
+    embeddings = sorted((h for h in found[2]["meta"] if h["key"] == "vit.s0:act"), key=lambda h: h["microbatch"])
+    assert [(h["microbatch"], h["rank"], h["sample_ids"], h["token_counts"]) for h in embeddings] == [
+        (m, m % 2, [10 * m, 10 * m + 1], [TOKENS, PATCHES[m]]) for m in range(MICROBATCHES)]  # by replica m % 2
+    grads_back = [h for r in (0, 1) for h in found[r]["meta"]]
+    assert sorted(h["microbatch"] for h in grads_back) == list(range(MICROBATCHES))
+    assert all(h["key"] == "vit.s0:grad" and h["rank"] == 2 for h in grads_back)
     owners = {0: "vit.", 1: "vit.", 2: "llm0.", 3: "llm1."}
     for rank, prefix in owners.items():
         mine = {n: g for n, g in ref_grads.items() if n.startswith(prefix)}
