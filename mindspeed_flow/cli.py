@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES = (
     "mindspeed_flow.schedule.plan_cli",
     "mindspeed_flow.attention.conv_matmul_cli",
     "mindspeed_flow.allocator.cli",
+    "mindspeed_flow.recipes.average_cli",
 )
 
 
