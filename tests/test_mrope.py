@@ -77,20 +77,8 @@ def case(ids, image=None, video=None, seconds=None) -> dict:
     return {"ids": ids, "image": image, "video": video, "seconds": seconds}
 
 
-@pytest.fixture(scope="module")
-def upstream_rope(tmp_path_factory):
-    """Run upstream's function over a list of cases; returns their ``[3, T]`` ids."""
-    root = str(upstream_sources().mindspeed_mm)
-
-    def run(cases: list[dict]) -> list[torch.Tensor]:
-        path = tmp_path_factory.mktemp("cases") / "cases.json"
-        path.write_text(json.dumps(cases))
-        return [torch.tensor(ids) for ids in last_json(run_python(UPSTREAM_ROPE, [root, str(path)]))]
-
-    return run
-
-
-def test_images_and_text_match_upstream_sample_by_sample(upstream_rope):
+def image_cases() -> list[dict]:
+    """Text-only, single-image, image-first, multi-image and back-to-back image samples."""
     rng = np.random.default_rng(0)
     image_grids = [(1, 2, 2), (1, 4, 6), (1, 8, 4), (1, 6, 10), (1, 16, 2), (1, 14, 14)]
     cases = [
@@ -105,8 +93,32 @@ def test_images_and_text_match_upstream_sample_by_sample(upstream_rope):
     # Two images back to back with no text between, the last token a vision block's end.
     ids = [1, 2] + vision_block(rng, (1, 2, 4), IMAGE_TOKEN_ID) + vision_block(rng, (1, 6, 2), IMAGE_TOKEN_ID)
     cases.append(case(ids, image=[[1, 2, 4], [1, 6, 2]]))
-    expected = upstream_rope(cases)
-    for i, (c, want) in enumerate(zip(cases, expected)):
+    return cases
+
+
+def video_cases() -> list[dict]:
+    """One two-video sample, with and without seconds per grid.  Upstream (57069cd) reads a
+    video's grid from ``image_grid_thw[video_index]``: the video grids go there too."""
+    rng = np.random.default_rng(1)
+    ids = sample(rng, [(3, 4, 4), (4, 2, 6)], pad=VIDEO_TOKEN_ID)
+    video = [[3, 4, 4], [4, 2, 6]]
+    return [case(ids, image=video, video=video, seconds=[0.5, 1.75]), case(ids, image=video, video=video)]
+
+
+@pytest.fixture(scope="module")
+def upstream_ids(tmp_path_factory) -> dict[str, list[torch.Tensor]]:
+    """Upstream's ``[3, T]`` ids of every case, from one child process."""
+    cases = {"image": image_cases(), "video": video_cases()}
+    path = tmp_path_factory.mktemp("cases") / "cases.json"
+    path.write_text(json.dumps(cases["image"] + cases["video"]))
+    ids = last_json(run_python(UPSTREAM_ROPE, [str(upstream_sources().mindspeed_mm), str(path)]))
+    ids = [torch.tensor(i) for i in ids]
+    return {"image": ids[: len(cases["image"])], "video": ids[len(cases["image"]) :]}
+
+
+def test_images_and_text_match_upstream_sample_by_sample(upstream_ids):
+    expected = upstream_ids["image"]
+    for i, (c, want) in enumerate(zip(image_cases(), expected, strict=True)):
         got = mrope_position_ids(torch.tensor(c["ids"]), c["image"])
         assert got.dtype == torch.long and got.shape == (3, len(c["ids"])), i
         assert torch.equal(got, want), f"case {i}: first difference at token {(got != want).any(0).nonzero()[0]}"
@@ -114,18 +126,16 @@ def test_images_and_text_match_upstream_sample_by_sample(upstream_rope):
     assert not torch.equal(expected[4][0], expected[4][1])
 
 
-def test_video_matches_upstream_given_its_grid_in_image_grid_thw(upstream_rope):
-    """Upstream (57069cd) reads a video's grid from ``image_grid_thw[video_index]``; passing
-    the video grids there makes it compute the video path we implement with
-    ``video_grid_thw`` (temporal ids scaled by seconds per grid x tokens per second)."""
-    rng = np.random.default_rng(1)
-    grids = [(3, 4, 4), (4, 2, 6)]
-    ids = sample(rng, grids, pad=VIDEO_TOKEN_ID)
-    video = [list(g) for g in grids]
-    cases = [case(ids, image=video, video=video, seconds=[0.5, 1.75]), case(ids, image=video, video=video)]
-    want_seconds, want_default = upstream_rope(cases)
-    assert torch.equal(mrope_position_ids(ids, None, video, [0.5, 1.75]), want_seconds)
-    assert torch.equal(mrope_position_ids(ids, None, video), want_default)  # 1 s per grid when none is given
+def test_video_matches_upstream_given_its_grid_in_image_grid_thw(upstream_ids):
+    """Given the video grids in ``image_grid_thw`` (see :func:`video_cases`), upstream computes
+    the video path we implement with ``video_grid_thw`` (temporal ids scaled by seconds per
+    grid x tokens per second)."""
+    with_seconds, default = video_cases()
+    want_seconds, want_default = upstream_ids["video"]
+    assert torch.equal(mrope_position_ids(with_seconds["ids"], None, with_seconds["video"], [0.5, 1.75]),
+                       want_seconds)
+    # 1 s per grid when none is given
+    assert torch.equal(mrope_position_ids(default["ids"], None, default["video"]), want_default)
     assert not torch.equal(want_seconds, want_default)
 
 
