@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from mindspeed_flow.allocator.plan import Plan
 from mindspeed_flow.allocator.specs import AllocatorError
-from mindspeed_flow.allocator.upstream import mindspeed_mm_model
+from mindspeed_flow.allocator.upstream import megatron_split_settings, mindspeed_mm_model
 from mindspeed_flow.config import env_flags, parse_flow_flags
 
 log = logging.getLogger(__name__)
@@ -57,13 +57,10 @@ def megatron_settings(plan: Plan, namespace: argparse.Namespace, where: str) -> 
         "global_batch_size": plan.global_batch,
         "sequence_parallel": bb.tp > 1,
     }
-    split = bb.layer_split
-    if len(set(split)) > 1:  # Megatron expresses a split as uneven first/last stages only
-        if len(set(split[1:-1])) > 1:
-            raise AllocatorError(f"{where}: Megatron cannot express the layer split {list(split)} "
-                                 "(only the first and last stage may differ)")
-        settings["decoder_first_pipeline_num_layers"] = split[0]
-        settings["decoder_last_pipeline_num_layers"] = split[-1]
+    try:
+        settings.update(megatron_split_settings(bb.layer_split))
+    except AllocatorError as exc:
+        raise AllocatorError(f"{where}: {exc}") from None
     return settings
 
 

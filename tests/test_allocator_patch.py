@@ -15,7 +15,7 @@ import pytest
 
 from mindspeed_flow.adapters.allocator_plan import apply_to_megatron_args, apply_to_mm_model
 from mindspeed_flow.allocator import AllocatorError, BackboneConfig, EncoderConfig, Plan, Prediction
-from mindspeed_flow.allocator.upstream import mindspeed_mm_args
+from mindspeed_flow.allocator.upstream import megatron_args, mindspeed_mm_args
 from pinned_upstream import upstream_sources
 from subprocess_utils import last_json, run_python
 
@@ -68,6 +68,10 @@ def test_colocated_plan_is_upstreams_own_layout(tmp_path):
     args = namespace(plan.save(tmp_path / "plan.yaml"), world_size=64, num_layers=80)
     apply_to_megatron_args(args)
     assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (3, 11)
+    # The printed flags say the same split as the patch applies.
+    printed = " ".join(megatron_args(plan))
+    assert "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 11" in printed
+    assert "--decoder-first" not in " ".join(megatron_args(make_plan()))  # even split: Megatron's default
     model = _config_tree({"image_encoder": {"vision_encoder": {"num_layers": 32}}, "text_decoder": {}})
     apply_to_mm_model(model, Plan.load(tmp_path / "plan.yaml"), "plan.yaml")
     assert model.text_decoder.pipeline_num_layers == [3, 11, 11, 11, 11, 11, 11, 11]

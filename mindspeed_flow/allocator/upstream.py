@@ -16,15 +16,30 @@ from __future__ import annotations
 from typing import Any
 
 from .plan import COLOCATED, Plan
+from .specs import AllocatorError
+
+
+def megatron_split_settings(split: tuple[int, ...]) -> dict[str, int]:
+    """Megatron's ``decoder_first/last_pipeline_num_layers`` for a layer split (none when
+    even): Megatron splits evenly but for its first and last stage, so any other split is
+    refused rather than silently evened out."""
+    if len(set(split)) <= 1:
+        return {}
+    if len(set(split[1:-1])) > 1:
+        raise AllocatorError(f"Megatron cannot express the layer split {list(split)} "
+                             "(only the first and last stage may differ)")
+    return {"decoder_first_pipeline_num_layers": split[0], "decoder_last_pipeline_num_layers": split[-1]}
 
 
 def megatron_args(plan: Plan) -> list[str]:
-    """Megatron-LM flags for the backbone's parallel sizes and batch."""
+    """Megatron-LM flags for the backbone's parallel sizes, layer split and batch."""
     bb = plan.backbone
     args = ["--tensor-model-parallel-size", str(bb.tp),
             "--pipeline-model-parallel-size", str(bb.pp),
             "--micro-batch-size", str(bb.micro_batch),
             "--global-batch-size", str(plan.global_batch)]
+    for name, value in megatron_split_settings(bb.layer_split).items():
+        args += ["--" + name.replace("_", "-"), str(value)]
     if bb.tp > 1:
         args.append("--sequence-parallel")
     return args
