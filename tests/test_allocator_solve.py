@@ -223,3 +223,21 @@ def test_memory_pruning_removes_exactly_the_configs_that_do_not_fit():
     for alt in tight_plan.alternatives:
         assert alt.predicted.backbone_memory_gib * GIB <= tight.memory_limit
         assert alt.throughput <= tight_plan.throughput * (1 + 1e-7)
+
+
+def test_colocated_only_diagnosis_names_the_colocated_configs_not_unasked_backbones():
+    """With only the co-located placement, a backbone that would fit alone is no reason;
+    the co-located config that misses memory is named with its excess, and one that
+    exceeds the budget with its devices."""
+    model = _big_model()
+    workload = Workload(global_batch=64, pp_choices=(8,), tp_choices=(8,), micro_batch_choices=(1,),
+                        placements=("colocated",))
+    cluster = ClusterSpec(devices=64, memory_gib=30)
+    proxy = ProxyModel(synthetic_profile(random.Random(1)), cluster)
+    with pytest.raises(InfeasibleError) as info:
+        solve(model, cluster, proxy, workload)
+    assert len(info.value.reasons) == 2 and "backbone" not in str(info.value)
+    assert "colocated tp 8 pp 8 mbs 1 dp 1: memory: needs" in info.value.reasons[1]
+    small = ClusterSpec(devices=32, memory_gib=80)
+    with pytest.raises(InfeasibleError, match="colocated tp 8 pp 8: devices: 64 vs 32 devices"):
+        solve(model, small, ProxyModel(synthetic_profile(random.Random(1)), small), workload)

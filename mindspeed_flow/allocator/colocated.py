@@ -118,7 +118,11 @@ def colocated_pool(model: ModelSpec, cluster: ClusterSpec, workload: Workload, p
         if node % tp or any(s.heads % tp or s.query_groups % tp for s in (enc, bb)):
             continue  # the decoupled candidates record these rejections
         for pp in workload.pp_choices or tuple(divisors(bb.layers)):
-            if pp > bb.layers or tp * pp > cluster.devices:
+            if pp > bb.layers:
+                continue
+            if tp * pp > cluster.devices:
+                rejections.append(Rejection("colocated", f"tp {tp} pp {pp}", "devices", tp * pp, cluster.devices,
+                                            "devices"))
                 continue
             for mbs in workload.micro_batch_choices:
                 if workload.global_batch % mbs:

@@ -39,17 +39,18 @@ def module_reasons(module: str, rejections: list[Rejection]) -> list[str]:
     return [f"no {module} configuration is feasible:"] + ["  " + line for line in lines]
 
 
-def diagnose(found: CandidateSet, cluster: ClusterSpec) -> list[str]:
+def diagnose(found: CandidateSet, cluster: ClusterSpec, decoupled: bool = True) -> list[str]:
     """One line per binding constraint (co-located candidates, when they were considered
-    and none fits, are named too)."""
+    and none fits, are named too).  Without the ``decoupled`` placement a module is named
+    only for what it rejected itself (TP, divisibility: checks co-located configs share),
+    never for candidates that were simply not asked for."""
     reasons = []
-    if not found.encoders:
-        reasons += module_reasons("encoder", found.rejections)
-    if not found.backbones:
-        reasons += module_reasons("backbone", found.rejections)
+    for module, left in (("encoder", found.encoders), ("backbone", found.backbones)):
+        if not left and (decoupled or any(r.module == module for r in found.rejections)):
+            reasons += module_reasons(module, found.rejections)
     if any(r.module == "colocated" for r in found.rejections):
         reasons += module_reasons("colocated", found.rejections)
-    if not found.encoders or not found.backbones:
+    if not decoupled or not found.encoders or not found.backbones:
         return reasons
     enc = min(found.encoders, key=lambda e: e.devices)
     bb = min(found.backbones, key=lambda b: b.devices)

@@ -108,7 +108,7 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
     excluded: list[Shape] = []
     choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded)
     if choice is None:
-        raise InfeasibleError(diagnose(found, cluster_spec))
+        raise InfeasibleError(diagnose(found, cluster_spec, "decoupled" in workload.placements))
     best = to_plan(found, joints, choice, model_spec, proxy, workload)
     runners_up = []
     for _ in range(workload.alternatives):
