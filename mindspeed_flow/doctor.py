@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 from dataclasses import asdict
 from pathlib import Path
@@ -64,6 +65,15 @@ def pool_report() -> str:
     return "\n".join(lines)
 
 
+def binding_report() -> str:
+    """The core binding ``--flow-system`` would apply to this process (LOCAL_RANK / LOCAL_WORLD_SIZE)."""
+    from mindspeed_flow.system.apply import device_nodes
+    from mindspeed_flow.system.numa import binding_for_this_process
+
+    binding = binding_for_this_process(device_nodes=device_nodes(dict(os.environ)))
+    return f"core binding (--flow-system) it would apply: {binding.describe()}"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "doctor", help="check every patch target against the installed upstream or a source checkout",
@@ -97,4 +107,5 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         failures = sum(r.is_failure for r in rows)
         print(f"\n{len(rows)} patch(es), {failures} required target(s) missing or changed")
         print("\n" + pool_report())
+        print("\n" + binding_report())
     return 1 if any(r.is_failure for r in rows) else 0

@@ -45,4 +45,7 @@ def activate(argv: Sequence[str] | None = None, environ: Mapping[str, str] | Non
     config = FlowConfig.from_argv(sys.argv[1:] if argv is None else argv,
                                   os.environ if environ is None else environ)
     enable_features(config.features)
+    if config.enabled("system"):
+        from mindspeed_flow.system.apply import apply_system_settings
+        apply_system_settings()
     return registry
