@@ -364,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+        from mindspeed_flow.pool.shm import destroy
+
+        destroy(f"bench-{os.getpid()}")
+        destroy(f"bench-lat-{os.getpid()}")
     return 0
 
 
