@@ -51,3 +51,18 @@ def test_schedule_plan_actions_keep_their_route():
     assert cli._route_plan(["plan", "dump", "x.yaml", "s"]) == ["plan", "dump", "x.yaml", "s"]
     assert cli._route_plan(["plan", "check", "p.txt"]) == ["plan", "check", "p.txt"]
     assert cli._route_plan(["plan", "c.yaml", "--png", "a.png"]) == ["allocate", "c.yaml", "--png", "a.png"]
+
+
+def test_decoupled_plan_says_what_upstream_alone_realises():
+    from dataclasses import replace
+
+    from mindspeed_flow.allocator.report import describe
+
+    config = load_config(CONFIG)
+    config = replace(config, workload=replace(config.workload, placements=("decoupled",)))
+    plan = solve(config.model, config.cluster, ProxyModel(Profile.load(config.profile), config.cluster),
+                 config.workload)
+    text = describe(plan, config, "title")
+    assert plan.placement == "decoupled"
+    assert (f"realise the backbone's {plan.backbone.devices} devices and the splits; the encoder's own "
+            f"{plan.encoder.devices} devices need the decoupled runtime") in text

@@ -53,6 +53,10 @@ def describe(plan: Plan, config: AllocatorConfig, title: str) -> str:
               "  MindSpeed-MM model JSON (merge into --mm-model):"]
     model = mindspeed_mm_model(plan)
     lines += [f"    {json.dumps({key: value})}" for key, value in model.items()]
+    if plan.placement != COLOCATED:
+        lines.append(f"  note: upstream alone runs the encoder inside stage 0, so these realise the backbone's "
+                     f"{plan.backbone.devices} devices and the splits; the encoder's own {plan.encoder.devices} "
+                     "devices need the decoupled runtime")
     lines.append(f"  or apply it at start-up: --flow-allocator --flow-allocator-plan PLAN.yaml "
                  "(write it with --out)")
     return "\n".join(lines)
