@@ -39,7 +39,6 @@ PATCHES = [
         wrapper=recipes.validate_args_wrapper,
         params="args, defaults",
         checked=("Megatron-LM core_r0.12.1",),
-        optional=True,
         description="check and log the recipe values at start-up",
     ),
 ]
