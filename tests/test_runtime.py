@@ -16,14 +16,16 @@ import torch
 from megatron_cpu_harness import HarnessError, launch
 from mindspeed_flow.runtime import ActionFailed, Binding, Executor, RuntimeOptions, WaitPolicy, measured_result
 from mindspeed_flow.runtime.errors import where
+from mindspeed_flow.runtime.sends import plan_send_bound
 from mindspeed_flow.schedule import OneFOneB, Region, ScheduleError, Transpose, compose, validate
 from runtime_models import build, forward_step, grads_of, make_batches, reference
 
 MICROBATCHES = 4
 
 
-def _regions(frozen: bool) -> list[Region]:
-    return [Region("vit", 1, Transpose(), trainable=not frozen), Region("llm", 2, OneFOneB(stages=2))]
+def _regions(frozen: bool, window: int | None = None) -> list[Region]:
+    return [Region("vit", 1, Transpose(max_in_flight=window), trainable=not frozen),
+            Region("llm", 2, OneFOneB(stages=2))]
 
 
 def _bindings(rank: int, parts: dict, batches: list) -> dict:
@@ -32,22 +34,26 @@ def _bindings(rank: int, parts: dict, batches: list) -> dict:
 
 
 def _transpose_worker(rank: int, world_size: int, frozen: bool) -> dict:
-    """Both plans (eager, rendezvous) of `<transpose, 1f1b>`; rank 1's encoder starts from
-    other weights, so only the broadcast can make it equal the reference."""
+    """Both plans (eager, rendezvous) of `<transpose, 1f1b>`, and the eager one with an
+    in-flight window of 1; rank 1's encoder starts from other weights, so only the broadcast
+    can make it equal the reference."""
     out = {}
-    for semantics, bound in (("eager", None), ("rendezvous", None), ("rendezvous-bounded", 1)):
+    for semantics, bound in (("eager", None), ("eager-window", None), ("rendezvous", None),
+                             ("rendezvous-bounded", 1)):
         parts = build(frozen_encoder=frozen)
         if rank == 1 and not frozen:
             with torch.no_grad():
                 for p in parts["vit"].parameters():
                     p.add_(1.0)
-        plan = compose(_regions(frozen), MICROBATCHES, semantics=semantics.split("-")[0])
+        window = 1 if semantics == "eager-window" else None
+        plan = compose(_regions(frozen, window), MICROBATCHES, semantics=semantics.split("-")[0])
         executor = Executor(rank, [0, 1], options=RuntimeOptions(max_pending_sends=bound))
         result = executor.run(plan, forward_step, _bindings(rank, parts, make_batches(MICROBATCHES)))
         mine = {"vit": parts["vit"], f"llm{rank}": parts[f"llm{rank}"]}
         out[semantics] = {"losses": [float(d["loss"]) for d in result.forward_data_store],
                           "grads": grads_of(mine), "timeline": result.timeline,
-                          "peak_pending": result.peak_pending_sends}
+                          "peak_pending": result.peak_pending_sends,
+                          "bound": executor.send_bound(plan)}
     return out
 
 
@@ -68,7 +74,7 @@ def test_eager_only_plan_is_the_contract():
             validate(plan, semantics="rendezvous")
 
 
-@pytest.mark.parametrize("semantics", ["eager", "rendezvous", "rendezvous-bounded"])
+@pytest.mark.parametrize("semantics", ["eager", "eager-window", "rendezvous", "rendezvous-bounded"])
 def test_transpose_1f1b_equals_single_process(transposed, semantics):
     frozen, (ref_losses, ref_grads), ranks = transposed
     first, last = (r[semantics] for r in ranks)
@@ -81,10 +87,17 @@ def test_transpose_1f1b_equals_single_process(transposed, semantics):
         assert set(found["grads"]) == {n for n in ref_grads if n.startswith(("vit.", f"llm{rank}."))}
 
 
-def test_send_buffers_are_bounded_when_asked(transposed):
-    """A rendezvous plan runs with one tensor's send buffer alive at a time; unbounded, the
-    eager plan keeps several (its encoder replicas run ahead)."""
-    _, _, ranks = transposed
+def test_send_buffers_stay_within_the_plans_bound(transposed):
+    """By default a step never holds more send buffers than the plan's own bound, which the
+    in-flight window lowers for a trainable encoder; asked for one, a rendezvous plan runs
+    with one buffer alive at a time, while the eager plan keeps several (its encoder
+    replicas run ahead).  Exactness of all of these: the test above."""
+    frozen, _, ranks = transposed
+    for semantics in ("eager", "eager-window", "rendezvous"):
+        for r in ranks:
+            assert 1 <= r[semantics]["peak_pending"] <= r[semantics]["bound"], semantics
+    assert ranks[0]["eager"]["bound"] == plan_send_bound(compose(_regions(frozen), MICROBATCHES))
+    assert (ranks[0]["eager-window"]["bound"] < ranks[0]["eager"]["bound"]) is not frozen
     assert all(r["rendezvous-bounded"]["peak_pending"] == 1 for r in ranks)
     assert max(r["eager"]["peak_pending"] for r in ranks) > 1
 

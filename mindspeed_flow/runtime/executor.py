@@ -18,8 +18,9 @@ action says, in order:
   getter releases what it took), or an in-process dict when no pool is given.
 
 The runtime's contract is *eager semantics*: a send never blocks the program.  Every plan is
-validated under eager semantics before its first step (a rendezvous plan passes too), so no
-invalid program runs; ``<transpose, 1f1b>`` plans, which can deadlock under rendezvous, run
+validated under eager semantics before its first step (a rendezvous plan passes too), and
+replayed as the executor runs it to bound its send buffers (:mod:`.sends`), so no invalid
+program runs; ``<transpose, 1f1b>`` plans, which can deadlock under rendezvous, run
 as validated.  Every action is time-stamped (:mod:`.timeline`), and any failure ends the
 step on every rank with an :class:`.ActionFailed` naming the rank, the action index and the
 action.
@@ -40,11 +41,10 @@ from ..schedule.plan import Plan
 from ..schedule.validate import validate
 from .errors import ActionFailed, where
 from .feed import MicrobatchFeed
+from .sends import SKIPPED_WHEN_FORWARD_ONLY, deadlock_with_bound, plan_send_bound
 from .timeline import Stamp, Timeline
 from .transport import AbortBoard, PeerFailure, Transport, WaitPolicy, Waiter
 
-_GRADIENT_TRANSFERS = frozenset({Kind.SEND_GRAD, Kind.RECV_GRAD})
-_SKIPPED_WHEN_FORWARD_ONLY = BACKWARDS | _GRADIENT_TRANSFERS | {Kind.GRAD_REDUCE}
 _DEFAULT_STORE = object()
 _SAMPLE_META = ("sample_ids", "token_counts")  # data item fields a pool put carries along
 _generations = itertools.count()
@@ -76,10 +76,11 @@ class RuntimeOptions:
         wait: timeouts and polling of blocked receives (failures end the step within
             ``wait.timeout_s``, or ``wait.abort_poll_s`` after another rank reported one).
         max_pending_sends: at most this many tensors' send buffers alive: the oldest send is
-            awaited before another is posted (``None``: no bound; all outstanding sends are
-            awaited at the end of the step).  gloo completes a send once its receive is
-            posted, so any bound is safe for a plan valid under rendezvous semantics; an
-            eager-only plan (``<transpose, 1f1b>``) needs room for what it keeps in flight.
+            awaited before another is posted.  ``None`` (default): the plan's own bound
+            (:func:`.sends.plan_send_bound`), the most any rank can hold in any interleaving,
+            so no send ever waits for another rank and the plan's in-flight limits bound the
+            buffers.  An explicit bound may be smaller; it is refused before the first step if
+            it can deadlock the plan (:func:`.sends.deadlock_with_bound`).
             :attr:`StepResult.peak_pending_sends` reports what a step held.
     """
 
@@ -123,9 +124,11 @@ class Executor:
         self.steps = 0
         self.waiters = (Waiter(f"flow-r{rank}-sends"), Waiter(f"flow-r{rank}-recvs"))
         self._prepared: dict[int, tuple[Plan, dict[tuple[str, int | None], int]]] = {}
+        self._send_bounds: dict[tuple[int, bool], tuple[Plan, int]] = {}
 
     def prepare(self, plan: Plan) -> dict[tuple[str, int | None], int]:
-        """Validate ``plan`` (eager semantics) once and number its transfers' tags."""
+        """Validate ``plan`` (eager semantics, then as the executor runs it) once and number
+        its transfers' tags."""
         known = self._prepared.get(id(plan))
         if known is not None and known[0] is plan:
             return known[1]
@@ -144,8 +147,31 @@ class Executor:
         slots = plan.num_microbatches + 1
         tags = {(key, m): i * slots + (plan.num_microbatches if m is None else m)
                 for i, key in enumerate(keys) for m in [*range(plan.num_microbatches), None]}
+        self.send_bound(plan)  # refuses what the executor cannot run in program order
         self._prepared[id(plan)] = (plan, tags)
         return tags
+
+    def send_bound(self, plan: Plan, forward_only: bool = False) -> int:
+        """The send buffers a step of ``plan`` may keep alive: the explicit
+        ``max_pending_sends`` if it cannot deadlock the plan, else the plan's own bound."""
+        known = self._send_bounds.get((id(plan), forward_only))
+        if known is not None and known[0] is plan:
+            return known[1]
+        own = plan_send_bound(plan, forward_only)
+        bound = self.options.max_pending_sends
+        if bound is None:
+            bound = own
+        elif bound < 1:
+            raise ScheduleError(f"RuntimeOptions.max_pending_sends must be >= 1 or None, got {bound}")
+        else:
+            stuck = deadlock_with_bound(plan, bound, forward_only)
+            if stuck is not None:
+                raise ScheduleError(
+                    f"RuntimeOptions.max_pending_sends={bound} can deadlock this plan "
+                    f"({'forward only' if forward_only else 'training'} step): {stuck}; the plan's "
+                    f"own bound is {own}")
+        self._send_bounds[(id(plan), forward_only)] = (plan, bound)
+        return bound
 
     def run(self, plan: Plan, forward_step_func: Callable, bindings: Mapping[tuple[str, int], Binding], *,
             forward_only: bool = False, collect_non_loss_data: bool = False,
@@ -157,10 +183,10 @@ class Executor:
         binding (in ``bindings`` order), and ``(None)`` before the rank's very last backward:
         where Megatron re-enables gradient reduction (``enable_grad_sync``)."""
         tags = self.prepare(plan)
+        bound = self.send_bound(plan, forward_only)
         board = AbortBoard(self.store, f"mindspeed_flow/runtime/{self.generation}/abort/{self.steps}")
         self.steps += 1
-        transport = Transport(self.ranks, self.group, self.options.wait, board, self.waiters,
-                              self.options.max_pending_sends)
+        transport = Transport(self.ranks, self.group, self.options.wait, board, self.waiters, bound)
         step = _Step(self, plan, tags, transport, forward_step_func, bindings, forward_only,
                      collect_non_loss_data, loss or LossRules())
         program = plan.programs[self.rank]
@@ -169,7 +195,7 @@ class Executor:
         index, action = -1, None
         try:
             for index, action in enumerate(program):
-                if forward_only and action.kind in _SKIPPED_WHEN_FORWARD_ONLY:
+                if forward_only and action.kind in SKIPPED_WHEN_FORWARD_ONLY:
                     continue
                 for which in hooks.get(index, ()):
                     before_last_backward(which)
