@@ -45,6 +45,11 @@ def test_bad_config_names_file_and_key(tmp_path, capsys):
     bad.write_text(CONFIG.read_text().replace("heads: 4,", "headz: 4,"))
     assert cli.main(["plan", str(bad)]) == 1
     assert "bad.yaml: model.encoder: unknown key(s) headz" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: {encoder: [1, 2\ncluster: x\n")
+    assert cli.main(["plan", str(broken)]) == 1  # an error line, not a traceback
+    err = capsys.readouterr().err
+    assert "broken.yaml: not valid YAML" in err and "line 1, column 18" in err
 
 
 def test_schedule_plan_actions_keep_their_route():

@@ -195,11 +195,10 @@ class AllocatorConfig:
 def load_config(path: str | Path) -> AllocatorConfig:
     """Read ``model`` (``encoder``, ``backbone``), ``cluster``, ``workload`` and ``profile``
     (a path relative to the file) from a YAML file."""
-    import yaml
+    from .files import read_data
 
     path = Path(path)
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    data = read_data(path)
     if not isinstance(data, Mapping):
         raise AllocatorError(f"{path}: expected a mapping at the top level")
     for key in ("model", "cluster", "workload", "profile"):
