@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import random
 
-from mindspeed_flow.allocator.milp import AllocationMilp, lexicographic_key
+from mindspeed_flow.allocator.milp import AllocationMilp
+
+
+def lexicographic_key(production: float, consumption: float, devices: int) -> tuple[float, float, int]:
+    """The objective as a sort key (smaller is better): throughput, mismatch, devices."""
+    return (-min(production, consumption), abs(production - consumption), devices)
 
 
 def _instance(rng: random.Random):

@@ -84,6 +84,8 @@ def _replicas(module: str, config: str, per_replica_devices: int, batch_units: i
 
 def encoder_candidates(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
                        rejections: list[Rejection]) -> list[EncoderEstimate]:
+    """Every encoder (tp, dp) the TP, batch, budget and memory checks allow (each one left
+    out is added to ``rejections``)."""
     out = []
     if workload.global_batch % workload.encoder_micro_batch:
         rejections.append(Rejection("encoder", f"micro batch {workload.encoder_micro_batch}", "batch/dp",

@@ -45,11 +45,6 @@ class Choice:
     devices: int
 
 
-def lexicographic_key(production: float, consumption: float, devices: int) -> tuple[float, float, int]:
-    """The objective as a sort key (smaller is better), for brute force and reports."""
-    return (-min(production, consumption), abs(production - consumption), devices)
-
-
 class AllocationMilp:
     """The model over given candidate rates and sizes; ``solve`` runs the three stages.
 

@@ -97,6 +97,7 @@ class ProxyModel:
         return curve[-1][1]
 
     def compute_seconds(self, module: str, flops_per_rank: float) -> float:
+        """Seconds for ``flops_per_rank`` FLOPs at the efficiency the profile shows for that much work."""
         return flops_per_rank / (self.efficiency(module, flops_per_rank) * self.cluster.peak_tflops * 1e12)
 
     def layer_seconds(self, module: str, spec: ModuleSpec, tp: int, samples: int) -> tuple[float, float]:
@@ -115,6 +116,8 @@ class ProxyModel:
         return self.inter.seconds(2 * (dp - 1) / dp * memory.BF16 * param_count / tp)
 
     def encoder(self, spec: ModuleSpec, workload: Workload, tp: int, dp: int) -> EncoderEstimate:
+        """``dp`` encoder replicas of ``tp`` devices: the global batch's forward (and backward
+        when trained) spread over them, plus the gradient reduce; memory with the in-flight bound."""
         samples = workload.encoder_micro_batch
         microbatches = workload.global_batch / (dp * samples)
         forward, backward = self.layer_seconds("encoder", spec, tp, samples)
@@ -149,11 +152,14 @@ class ProxyModel:
         return self.region_cost("backbone", spec, tp, micro_batch, spec.layers), self.head_cost(spec, tp, micro_batch)
 
     def pipeline(self, spec: ModuleSpec, tp: int, pp: int, micro_batch: int, microbatches: int) -> PipelineStep:
+        """The backbone's 1F1B step over ``pp`` stages, from the schedule simulator."""
         return pipeline_step(backbone_layout(spec.layers, pp, spec.trainable), microbatches,
                              self.backbone_costs(spec, tp, micro_batch), self.stage_link(tp, pp))
 
     def backbone(self, spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int,
                  dp: int) -> BackboneEstimate:
+        """``dp`` backbone pipelines: the simulated step of their share of the global batch
+        plus the gradient reduce, and the fullest stage's memory with the simulator's ``peak_live``."""
         microbatches = workload.global_batch // (dp * micro_batch)
         sim = self.pipeline(spec, tp, pp, micro_batch, microbatches)
         step = sim.step_time + self._gradient_reduce(spec, tp, pp, dp)

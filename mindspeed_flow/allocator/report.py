@@ -20,6 +20,8 @@ def _shape(plan: Plan) -> tuple[str, str]:
 
 
 def describe(plan: Plan, config: AllocatorConfig, title: str) -> str:
+    """The plan as ``mindspeed-flow plan`` prints it: configs, rates, MFU, alternatives and
+    the upstream arguments that realise it."""
     p = plan.predicted
     enc, bb = _shape(plan)
     budget = config.cluster.devices

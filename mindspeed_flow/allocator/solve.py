@@ -22,6 +22,7 @@ def _shape(candidate, placement: str) -> Shape:
 
 
 def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Shape]) -> AllocationMilp:
+    """The MILP over the candidates simulated so far, with the ``excluded`` shapes cut off."""
     milp = AllocationMilp(
         [e.rate for e in found.encoders], [e.devices for e in found.encoders], [e.dp for e in found.encoders],
         [b.rate for b in found.backbones], [b.devices for b in found.backbones], [b.dp for b in found.backbones],
@@ -38,6 +39,7 @@ def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Sh
 
 def to_plan(found: CandidateSet, joints: list, choice: Choice, model: ModelSpec, proxy: ProxyModel,
             workload: Workload) -> Plan:
+    """The :class:`Plan` of the MILP's choice, with what the proxy predicts for it."""
     if choice.joint is not None:
         j = joints[choice.joint]
         memory_gib = j.memory.total / GIB
