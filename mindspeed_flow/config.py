@@ -138,6 +138,10 @@ class FlowConfig:
                 if explicit is False:
                     raise ValueError("--no-flow-recipes contradicts the recipe values given (--flow-module-lr ...)")
                 explicit = True
+            if spec.name == "allocator" and explicit is None and not pick("flow_allocator_plan"):
+                # Without a plan the allocator has nothing to apply: --use-flowtrain leaves it
+                # off rather than refusing to start; --flow-allocator alone still asks for one.
+                continue
             if explicit or (explicit is None and master):
                 features.add(spec.name)
         if "pool" in features and backend is None:

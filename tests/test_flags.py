@@ -69,6 +69,17 @@ def test_use_flowtrain_turns_every_feature_on_and_no_flow_x_off():
     assert config.pool_backend == "torch"
 
 
+def test_use_flowtrain_turns_the_allocator_on_only_with_a_plan():
+    """A launch script plus --use-flowtrain must start: without a plan there is nothing to apply."""
+    without = FlowConfig.from_namespace(parse(["--use-flowtrain"]), environ={})
+    assert "allocator" not in without.features and "schedule" in without.features
+    with_plan = FlowConfig.from_namespace(parse(["--use-flowtrain", "--flow-allocator-plan", "p.yaml"]),
+                                          environ={})
+    assert "allocator" in with_plan.features
+    explicit = FlowConfig.from_namespace(parse(["--flow-allocator"]), environ={})
+    assert explicit.features == {"allocator"}  # then the patch asks for the plan by name
+
+
 def test_single_feature_flags_without_the_master_flag():
     config = FlowConfig.from_namespace(parse(["--flow-packing", "--flow-pool-backend", "mooncake"]), environ={})
     assert config.features == {"packing", "pool"}
@@ -106,7 +117,8 @@ def test_environment_flags_and_command_line_precedence():
     assert "pool" not in FlowConfig.from_argv([], env).features
     assert "packing" in FlowConfig.from_argv([], env).features
     assert "pool" in FlowConfig.from_argv(["--flow-pool"], env).features  # command line wins
-    assert FlowConfig.from_argv(["--no-flow-packing"], env).features == frozenset(FEATURE_NAMES) - {"pool", "packing"}
+    assert FlowConfig.from_argv(["--no-flow-packing"], env).features == (
+        frozenset(FEATURE_NAMES) - {"pool", "packing", "allocator"})  # no plan: allocator off
 
 
 def test_contradiction_is_a_clear_error():
