@@ -146,12 +146,18 @@ CONFLICTS: tuple[tuple[str, Callable[[Any], bool]], ...] = (
      lambda a: getattr(a, "schedules_method", None) == "dualpipev"),
     ("MindSpeed RiPipe (--recompute-in-bubble / --recompute-in-advance)",
      lambda a: bool(getattr(a, "recompute_in_bubble", False) or getattr(a, "recompute_in_advance", False))),
-    ("MindSpeed --variable-seq-lengths (patches p2p _communicate)",
-     lambda a: bool(getattr(a, "variable_seq_lengths", False))),
     ("MindSpeed-MM --hetero-parallel (its own get_forward_backward_func)",
      lambda a: bool(getattr(a, "hetero_parallel", False))),
 )
 FEATURE = "mindspeed-flow schedule (--flow-schedule)"
+
+
+# Features of other patch sets that patch what our runtime never calls: composed, logged once.
+BYPASSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("MindSpeed --variable-seq-lengths", lambda a: bool(getattr(a, "variable_seq_lengths", False)),
+     "our runtime sends a shape header with every tensor itself and never calls Megatron's "
+     "p2p_communication, so MindSpeed's _communicate/_communicate_shapes patch is bypassed"),
+)
 
 
 class ScheduleConflict(RuntimeError):
@@ -159,12 +165,16 @@ class ScheduleConflict(RuntimeError):
 
 
 def check_conflicts(args: Any) -> None:
-    """Refuse to start when a feature that replaces the same functions is on."""
+    """Refuse to start when a feature that replaces the same functions is on; say which
+    features compose because what they patch is not on our runtime's path."""
     active = [name for name, is_on in CONFLICTS if is_on(args)]
     if active:
         raise ScheduleConflict(
             f"{FEATURE} cannot run together with {', '.join(active)}: both replace Megatron's "
             "pipeline schedule; turn one of them off")
+    for name, is_on, why in BYPASSED:
+        if is_on(args):
+            log.warning("%s with %s: %s", FEATURE, name, why)
 
 
 def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None:

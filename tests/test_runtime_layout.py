@@ -4,6 +4,7 @@ chunks a rank binds, and the start-up refusal of features that swap the same sch
 from __future__ import annotations
 
 import argparse
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -77,7 +78,6 @@ def test_vlm_layout_from_mindspeed_mm_args(tmp_path):
 @pytest.mark.parametrize("flags, named", [
     ({"schedules_method": "dualpipev"}, "MindSpeed DualPipeV"),
     ({"recompute_in_bubble": True}, "MindSpeed RiPipe"),
-    ({"variable_seq_lengths": True}, "MindSpeed --variable-seq-lengths"),
     ({"hetero_parallel": True}, "MindSpeed-MM --hetero-parallel"),
 ])
 def test_conflicting_schedule_features_are_refused_naming_both(flags, named):
@@ -85,6 +85,20 @@ def test_conflicting_schedule_features_are_refused_naming_both(flags, named):
     with pytest.raises(adapter.ScheduleConflict) as failure:
         adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
     assert "mindspeed-flow schedule (--flow-schedule)" in str(failure.value) and named in str(failure.value)
+
+
+def test_variable_seq_lengths_composes_and_says_why(caplog):
+    """MindSpeed's --variable-seq-lengths patches p2p _communicate, which our runtime never
+    calls (every transfer carries its shape): start-up goes on and logs that once; a real
+    conflict next to it is still refused."""
+    args = argparse.Namespace(flow_schedule_config=None, variable_seq_lengths=True)
+    with caplog.at_level(logging.WARNING, logger="mindspeed_flow.schedule"):
+        assert adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {}) is args
+    bypassed = [r.getMessage() for r in caplog.records if "--variable-seq-lengths" in r.getMessage()]
+    assert len(bypassed) == 1 and "bypassed" in bypassed[0]
+    args.hetero_parallel = True
+    with pytest.raises(adapter.ScheduleConflict, match="MindSpeed-MM --hetero-parallel"):
+        adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
 
 
 def test_start_up_loads_the_layout_and_fails_on_a_bad_file(tmp_path):
