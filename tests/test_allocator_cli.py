@@ -50,6 +50,10 @@ def test_bad_config_names_file_and_key(tmp_path, capsys):
     assert cli.main(["plan", str(broken)]) == 1  # an error line, not a traceback
     err = capsys.readouterr().err
     assert "broken.yaml: not valid YAML" in err and "line 1, column 18" in err
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(CONFIG.read_text().replace("devices: 8", "devices: eight"))
+    assert cli.main(["plan", str(typo)]) == 1
+    assert "typo.yaml: cluster.devices: expected int, got 'eight'" in capsys.readouterr().err
 
 
 def test_schedule_plan_actions_keep_their_route():

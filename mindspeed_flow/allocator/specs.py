@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, get_type_hints
 
 GIB = 2**30
 
@@ -167,6 +167,18 @@ class Workload:
             raise AllocatorError("workload: global_batch, encoder_micro_batch and encoder_in_flight must be >= 1")
 
 
+def _check_type(want: Any, value: Any, where: str) -> None:
+    """A YAML value of the field's type (an int where a float is asked, a list for a tuple)."""
+    if want is float:
+        ok, name = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif want in (int, bool, str):
+        ok, name = isinstance(value, want) and (want is bool or not isinstance(value, bool)), want.__name__
+    else:
+        ok, name = isinstance(value, (list, tuple)), "a list"
+    if not ok:
+        raise AllocatorError(f"{where}: expected {name}, got {value!r}")
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, Mapping):
         raise AllocatorError(f"{where}: expected a mapping, got {type(data).__name__}")
@@ -174,6 +186,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         raise AllocatorError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    for key, value in data.items():
+        _check_type(get_type_hints(cls)[key], value, f"{where}.{key}")
     try:
         return cls(**data)
     except TypeError as exc:  # a required key is missing
