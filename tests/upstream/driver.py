@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+from contextlib import contextmanager
 from copy import deepcopy
 from pathlib import Path
 
@@ -131,6 +132,27 @@ def initialise() -> None:
     merge_mm_args(get_args())
 
 
+@contextmanager
+def counted_p2p_calls():
+    """Count calls of Megatron's ``p2p_communication._communicate`` (as MindSpeed's
+    ``--variable-seq-lengths`` patch left it) during the step: Megatron's schedules send
+    through it, the plugin's runtime must not."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    inner = p2p_communication._communicate
+    calls = [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    p2p_communication._communicate = counting
+    try:
+        yield calls
+    finally:
+        p2p_communication._communicate = inner
+
+
 def train_step(model) -> dict:
     from megatron.core import mpu
     from megatron.core.distributed import finalize_model_grads
@@ -144,11 +166,14 @@ def train_step(model) -> dict:
     batches = microbatches()
     for chunk in model:
         chunk.zero_grad_buffer()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=model,
-        num_microbatches=len(batches), seq_length=args.seq_length, micro_batch_size=1,
-        decoder_seq_length=args.seq_length, forward_only=False)
-    result: dict = {"microbatches": len(batches)}
+    forward_backward = get_forward_backward_func()
+    with counted_p2p_calls() as p2p_calls:
+        losses = forward_backward(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+            num_microbatches=len(batches), seq_length=args.seq_length, micro_batch_size=1,
+            decoder_seq_length=args.seq_length, forward_only=False)
+    result: dict = {"microbatches": len(batches), "p2p_communicate_calls": p2p_calls[0],
+                    "forward_backward_func": f"{forward_backward.__module__}:{forward_backward.__qualname__}"}
     if mpu.is_pipeline_last_stage():
         total = sum(float(l["loss"][0]) for l in losses)
         tokens = sum(float(l["loss"][1]) for l in losses)

@@ -52,9 +52,10 @@ STANDINS = HERE / "standins"
 DRIVER = HERE / "driver.py"
 TINY_MODEL = HERE / "tiny_qwen2_5vl.json"
 RUN_TIMEOUT_S = 300
-# The features that patch upstream model code (what --use-flowtrain brings to these runs;
-# named one by one so that features needing their own inputs, e.g. an allocator plan, stay off).
-PATCH_FEATURE_FLAGS = ("--flow-fused-attn", "--flow-conv-matmul")
+# The plugin as a launch script turns it on: every feature (the schedule runtime in place of
+# Megatron's forward_backward_func included, next to upstream's --variable-seq-lengths); the
+# allocator stays off without a plan, pool and recipes are inert without values.
+PATCH_FEATURE_FLAGS = ("--use-flowtrain",)
 
 
 def upstream_env(sources: Sources, scratch: Path) -> dict[str, str]:

@@ -1,9 +1,9 @@
 """The plugin's model patches against MindSpeed-MM's real Qwen2.5-VL (issue 8, tests 1 and 2).
 
-Every run is one optimizer-free training step through Megatron's own
-``forward_backward_func`` with ``--calculate-per-token-loss`` (the loss is the sum over label
-tokens, the gradients are divided by their count), so one-by-one and packed batches mean the
-same objective.  Gradients are the fp32 ``main_grad`` buffers.
+Every run is one optimizer-free training step through ``forward_backward_func`` (Megatron's
+own in the plain runs, the plugin's schedule runtime under ``--use-flowtrain``) with
+``--calculate-per-token-loss`` (the loss is the sum over label tokens, the gradients are
+divided by their count), so one-by-one and packed batches mean the same objective.  Gradients are the fp32 ``main_grad`` buffers.
 
 Tolerances.  With fp32 parameters the runs differ only by floating-point reassociation:
 SDPA per segment instead of the stand-in's explicit softmax(QK^T)V, a matmul instead of a
@@ -69,6 +69,25 @@ def test_the_runs_went_through_the_stand_in_kernels_and_the_plugin(runs):
         assert "applied" in {s for (f, t), s in statuses.items() if t == target}, target
     # The ViT's packed attention is served by the plugin, not by the stand-in kernel.
     assert ours.result["standin"]["called"]["npu_fusion_attention"] < plain.result["standin"]["called"]["npu_fusion_attention"]
+
+
+FLOW_FORWARD_BACKWARD = "mindspeed_flow.adapters.megatron_core_schedule:flow_forward_backward"
+SCHEDULE_GETTER = "megatron.core.pipeline_parallel.schedules:get_forward_backward_func"
+
+
+def test_pp2_step_ran_on_our_runtime_next_to_variable_seq_lengths(runs):
+    """With --use-flowtrain next to upstream's --variable-seq-lengths, start-up composes (one
+    line says MindSpeed's p2p patch is bypassed), every stage's step runs our runtime's
+    forward_backward_func, and Megatron's p2p ``_communicate`` (MindSpeed-patched) is never
+    called: the equality of the PP=2 test below is our runtime's."""
+    plain, packed = runs.get("fp32_plain"), runs.get("fp32_flow_packed_pp2")
+    assert plain.result["forward_backward_func"] != FLOW_FORWARD_BACKWARD
+    assert "bypassed" in packed.output and "--variable-seq-lengths" in packed.output
+    for rank, result in enumerate(packed.results):
+        statuses = {s for f, t, s in result["patches"] if f == "schedule" and t == SCHEDULE_GETTER}
+        assert statuses == {"applied"}, (rank, statuses)
+        assert result["forward_backward_func"] == FLOW_FORWARD_BACKWARD, rank
+        assert result["p2p_communicate_calls"] == 0, rank
 
 
 def test_flowtrain_equals_upstream_fp32(runs):
