@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from PIL import Image
 
 from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.batch import completed_samples
@@ -38,6 +39,11 @@ BAD_LINES = [
     (7, "placeholder_mismatch", json.dumps({"messages": _turns("<image><image>\nCompare."),
                                             "images": ["images/00000_0.png"]})),
     (8, "overlong", json.dumps({"messages": _turns("Talk.", "word " * 2000), "images": []})),
+    # image tokens spelled out in the text have no image behind them
+    (9, "placeholder_mismatch", json.dumps({"messages": _turns("Look: <|image_pad|>"), "images": []})),
+    (10, "empty_conversation", json.dumps({"system": 5, "messages": _turns("hello?"), "images": []})),
+    # Pillow refuses to open it (over twice its MAX_IMAGE_PIXELS): DecompressionBombError
+    (11, "corrupt_image", json.dumps({"messages": _turns("<image>\nWhat is it?"), "images": ["images/bomb.png"]})),
 ]
 
 
@@ -45,6 +51,7 @@ BAD_LINES = [
 def corpus(tmp_path_factory):
     root = demo_corpus(tmp_path_factory, samples=GOOD)
     (root / "images" / "garbage.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    Image.new("1", (20000, 10000)).save(root / "images" / "bomb.png")
     (root / "bad.jsonl").write_text("".join(raw + "\n" for _, _, raw in BAD_LINES))
     return root
 
@@ -63,7 +70,7 @@ def test_skip_counts_each_kind_logs_the_place_and_keeps_the_good(corpus, caplog)
         assert re.search(rf"{kind}: \S*bad\.jsonl sample bad\.jsonl:{line}\b.*policy: skip", logged), (line, kind)
 
 
-@pytest.mark.parametrize("line", [1, 3, 4, 5, 7])
+@pytest.mark.parametrize("line", [1, 3, 4, 5, 7, 9, 10, 11])
 def test_fail_raises_naming_kind_file_and_line(corpus, tmp_path, line):
     only = tmp_path / "one_bad.jsonl"
     only.write_text("\n" * (line - 1) + BAD_LINES[line - 1][2] + "\n")  # keep the line number

@@ -31,13 +31,15 @@ def placeholder_count(record: dict[str, Any]) -> int:
 def check_conversation(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The messages of ``record``; :class:`BadConversation` (kind ``empty_conversation``)
     when there is nothing to train on: no messages, a message that is not a role/content
-    object, or no assistant turn with content."""
+    object, a ``system`` that is not a string, or no assistant turn with content."""
     messages = _messages(record)
     if not messages:
         raise BadConversation("empty_conversation", "no messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadConversation("empty_conversation", f"message {i} is not a {{'role': str, 'content': str}} object")
+    if record.get("system") is not None and not isinstance(record["system"], str):
+        raise BadConversation("empty_conversation", f"'system' must be a string, got {record['system']!r}")
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise BadConversation("empty_conversation", "no assistant turn with content")
     return messages

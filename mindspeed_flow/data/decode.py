@@ -90,6 +90,12 @@ class Decoder:
     def __call__(self, index: int) -> Sample | BadSample:
         place = self.corpus.place(index)
         try:
+            return self._decode(index, place)
+        except Exception as e:  # not a known kind of bad input: still say which record
+            raise RuntimeError(f"{place}: cannot decode this record ({type(e).__name__}: {e})") from e
+
+    def _decode(self, index: int, place: str) -> Sample | BadSample:
+        try:
             record = self.corpus.read(index)
             messages = check_conversation(record)
             paths = _image_paths(record)
@@ -110,6 +116,11 @@ class Decoder:
         ids, labels = tokenize_conversation(messages, [image_tokens(g) for g in grids], self.tokenizer,
                                             system=record.get("system", DEFAULT_SYSTEM))
         input_ids = torch.tensor(ids, dtype=torch.int64)
+        needed = sum(image_tokens(g) for g in grids)
+        found = int((input_ids == self._image_token_id).sum())
+        if found != needed:  # the text spelled out image tokens itself (e.g. a literal <|image_pad|>)
+            return BadSample(index, place, "placeholder_mismatch",
+                             f"{found} image pad token(s) after tokenization where the images need {needed}")
         grid_thw = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
         sp = self.tokenizer.special
         position_ids = mrope_position_ids(input_ids, grid_thw if len(grids) else None,

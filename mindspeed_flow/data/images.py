@@ -71,7 +71,7 @@ def load_image(path: str, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PI
             rgb = img.convert("RGB")
     except FileNotFoundError:
         raise BadImage("missing_image", f"image {path} does not exist") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise BadImage("corrupt_image", f"image {path} cannot be decoded ({e})") from None
     try:
         h, w = resized_size(rgb.height, rgb.width, min_pixels, max_pixels)
