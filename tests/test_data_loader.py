@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mindspeed_flow.data import FlowDataLoader
+from mindspeed_flow.data.demo import make_demo_corpus
 from mindspeed_flow.data.images import MEAN, PATCH, STD, image_tokens, normalize, patchify, resized_size
 from mindspeed_flow.data.mrope import mrope_position_ids
 from mindspeed_flow.data.source import Corpus
@@ -121,3 +122,14 @@ def test_normalize_is_clip_mean_std_per_channel_of_each_row():
     channels = rows.numpy().reshape(5, 3, 2 * PATCH * PATCH).astype(np.float64) / 255.0  # row = [C, T, P, P]
     expected = (channels - MEAN[None, :, None]) / STD[None, :, None]
     assert np.allclose(out.numpy().reshape(5, 3, -1), expected, atol=1e-5)
+
+
+def test_demo_corpus_is_byte_identical_for_the_same_seed(tmp_path):
+    """make_demo_data.py's promise: the same seed writes the same records, images and tokenizer."""
+    def files(root):
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    first, again, other = (files(make_demo_corpus(tmp_path / name, samples=12, seed=seed))
+                           for name, seed in (("a", 3), ("b", 3), ("c", 4)))
+    assert first == again and "flow_demo_tokenizer.json" in first and any(k.startswith("images/") for k in first)
+    assert first != other
