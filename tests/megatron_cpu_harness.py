@@ -262,9 +262,58 @@ def megatron_parallel(pipeline_parallel_size: int = 1) -> Iterator[None]:
         shims.remove()
 
 
-def transformer_config(spec: TinyGPTSpec) -> Any:
-    """Megatron ``TransformerConfig`` for ``spec`` under the current pipeline size, with the
-    CPU-safe overrides of the adapter."""
+@contextmanager
+def megatron_virtual_parallel(pipeline_parallel_size: int, chunks: int) -> Iterator[None]:
+    """:func:`megatron_parallel` plus ``chunks`` virtual stages per rank: what
+    ``initialize_model_parallel(virtual_pipeline_model_parallel_size=chunks)`` adds (in
+    megatron-core 0.12 and 0.16); the virtual rank is 0 in the body, all undone on exit."""
+    from megatron.core import parallel_state
+
+    with megatron_parallel(pipeline_parallel_size):
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(chunks)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+        try:
+            yield
+        finally:
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+
+
+def build_interleaved_chunks(spec: TinyGPTSpec, chunks: int) -> list[torch.nn.Module]:
+    """This rank's ``chunks`` model chunks of the tiny ``GPTModel`` for Megatron's
+    interleaved schedule (needs :func:`megatron_virtual_parallel`), chunk ``c`` from
+    ``torch.manual_seed(spec.seed + c)``; the virtual rank is left at 0.
+
+    megatron-core 0.12 reads the chunk from the global virtual rank; 0.16 wants it passed as
+    ``vp_stage=`` (to ``GPTModel`` and to ``is_pipeline_*_stage``, whose ``ignore_virtual``
+    now defaults to True) and refuses to build without it: both are set here."""
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(spec, chunks)
+    takes_vp_stage = "vp_stage" in inspect.signature(GPTModel.__init__).parameters
+    models = []
+    for chunk in range(chunks):
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+        vp_stage = {"vp_stage": chunk} if takes_vp_stage else {}
+        torch.manual_seed(spec.seed + chunk)
+        models.append(GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **vp_stage),
+            share_embeddings_and_output_weights=False, position_embedding_type=spec.position_embedding_type,
+            **vp_stage))
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return models
+
+
+def transformer_config(spec: TinyGPTSpec, chunks: int | None = None) -> Any:
+    """Megatron ``TransformerConfig`` for ``spec`` under the current pipeline size (and
+    ``chunks`` virtual stages per rank, if given), with the CPU-safe overrides of the
+    adapter."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -280,7 +329,8 @@ def transformer_config(spec: TinyGPTSpec) -> Any:
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        **cpu_safe_config_overrides(),
+        virtual_pipeline_model_parallel_size=chunks,
+        **cpu_safe_config_overrides(virtual_pipeline_model_parallel_size=chunks),
     )
 
 

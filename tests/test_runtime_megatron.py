@@ -10,7 +10,6 @@ run of the whole model.  Three launches in all: the reference, PP=2 (every case)
 from __future__ import annotations
 
 import importlib.util
-import inspect
 
 import pytest
 import torch
@@ -177,41 +176,16 @@ def _patched(model, spec, megatron):
 
 def _interleaved(world_size, chunks_per_rank=2):
     """Megatron's interleaved schedule vs ours over two one-layer chunks per rank."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_cpu_harness import TinyGPTSpec, megatron_parallel
+    from megatron_cpu_harness import TinyGPTSpec, build_interleaved_chunks, megatron_virtual_parallel
 
-    from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides
     from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
 
     spec = TinyGPTSpec(num_microbatches=4)
-    with megatron_parallel(world_size):
-        parallel_state.set_virtual_pipeline_model_parallel_world_size(chunks_per_rank)
-        config = TransformerConfig(
-            num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-            ffn_hidden_size=spec.ffn_hidden_size, hidden_dropout=0.0, attention_dropout=0.0,
-            params_dtype=torch.float32, pipeline_dtype=torch.float32, pipeline_model_parallel_size=world_size,
-            virtual_pipeline_model_parallel_size=chunks_per_rank,
-            **cpu_safe_config_overrides(virtual_pipeline_model_parallel_size=chunks_per_rank))
-        takes_vp_stage = "vp_stage" in inspect.signature(GPTModel.__init__).parameters
-        chunks = []
-        for c in range(chunks_per_rank):
-            parallel_state.set_virtual_pipeline_model_parallel_rank(c)
-            vp = {"vp_stage": c} if takes_vp_stage else {}
-            torch.manual_seed(spec.seed + c)
-            chunks.append(GPTModel(
-                config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
-                max_sequence_length=spec.seq_length,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **vp),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **vp),
-                share_embeddings_and_output_weights=False, **vp))
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    with megatron_virtual_parallel(world_size, chunks_per_rank):
+        chunks = build_interleaved_chunks(spec, chunks_per_rank)
         runs = [_step(s, chunks, [iter(_batches(spec)) for _ in chunks], spec)
                 for s in (forward_backward_pipelining_with_interleaving, flow_forward_backward)]
-        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
     return _diff(*runs)
 
 

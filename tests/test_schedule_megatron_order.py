@@ -10,8 +10,6 @@ the number of slow process launches at two.
 from __future__ import annotations
 
 import importlib.util
-import inspect
-from contextlib import contextmanager
 
 import pytest
 
@@ -50,61 +48,19 @@ def _record_orders(rank: int, world_size: int, counts: tuple[int, ...]) -> dict:
     return orders
 
 
-@contextmanager
-def _virtual_parallel(pipeline_parallel_size: int):
-    """The harness's model-parallel state plus ``CHUNKS`` virtual stages: what
-    ``initialize_model_parallel(virtual_pipeline_model_parallel_size=CHUNKS)`` adds (in
-    megatron-core 0.12 and 0.16), and ``destroy_model_parallel`` clears again."""
-    from megatron.core import parallel_state
-    from megatron_cpu_harness import megatron_parallel
-
-    with megatron_parallel(pipeline_parallel_size):
-        parallel_state.set_virtual_pipeline_model_parallel_world_size(CHUNKS)
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-        yield
-
-
 def _interleaved_events(world_size: int, count: int) -> list[str]:
     """Megatron's interleaved 1F1B over ``CHUNKS`` one-layer chunks per rank; events are
     ``F<virtual stage>.<microbatch>`` / ``B...``."""
-    import torch
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_cpu_harness import TinyGPTSpec, make_microbatches
-
-    from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides
+    from megatron_cpu_harness import TinyGPTSpec, build_interleaved_chunks, make_microbatches, megatron_virtual_parallel
 
     spec = TinyGPTSpec(num_microbatches=count)
     events: list[str] = []
-    with _virtual_parallel(world_size):
-        config = TransformerConfig(
-            num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-            num_attention_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn_hidden_size,
-            hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-            pipeline_dtype=torch.float32, pipeline_model_parallel_size=world_size,
-            virtual_pipeline_model_parallel_size=CHUNKS,
-            **cpu_safe_config_overrides(virtual_pipeline_model_parallel_size=CHUNKS),
-        )
-        # megatron-core 0.12 reads the chunk from the global virtual rank set below;
-        # 0.16 wants it passed as ``vp_stage=`` (to GPTModel and to is_pipeline_*_stage,
-        # whose ignore_virtual now defaults to True) and refuses to build without it.
-        takes_vp_stage = "vp_stage" in inspect.signature(GPTModel.__init__).parameters
-        chunks = []
-        for chunk in range(CHUNKS):
-            parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
-            vp_stage = {"vp_stage": chunk} if takes_vp_stage else {}
-            model = GPTModel(
-                config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **vp_stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **vp_stage),
-                share_embeddings_and_output_weights=False, **vp_stage,
-            )
+    with megatron_virtual_parallel(world_size, CHUNKS):
+        chunks = build_interleaved_chunks(spec, CHUNKS)
+        for chunk, model in enumerate(chunks):
             model.virtual_stage = chunk * world_size + parallel_state.get_pipeline_model_parallel_rank()
-            chunks.append(model)
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
