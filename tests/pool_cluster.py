@@ -42,7 +42,7 @@ class Context:
         from mindspeed_flow.pool import open_pool
 
         merged = {**self.options, "name": f"{self.options.get('name', 'conf')}-{self.scenario}",
-                  "liveness_s": 1.0, "timeout_s": 20.0, **options}
+                  "liveness_s": 2.0, "timeout_s": 20.0, **options}
         if self.backend != "torch":
             merged["owner"] = self.owner(self.rank)
         return open_pool(self.backend, capacity_bytes=capacity_bytes, **merged)

@@ -193,6 +193,12 @@ def producer_death(ctx) -> dict:
     if ctx.rank == 0:
         pool.announce(["doomed"])
     ctx.barrier.wait()
+    if ctx.rank != 0:  # the consumers know who will put it before it dies (Mooncake drops
+        try:           # a dead client's objects, the claim among them)
+            pool.get("doomed", timeout=0.01)
+        except PoolTimeout as exc:
+            assert f"producer {ctx.owner(0)}" in str(exc), str(exc)
+    ctx.barrier.wait()
     if ctx.rank == 0:
         time.sleep(0.3)  # the consumers are waiting by now
         raise Die()

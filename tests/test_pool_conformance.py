@@ -82,7 +82,7 @@ def test_producer_death_is_reported_naming_it(cluster):
     assert results[0] == "died"
     for out in results[1:]:
         assert f"producer {producer}" in out["error"] and "[doomed]" in out["error"]
-        assert out["after_s"] < 10  # liveness 1 s; the get's timeout is 30 s
+        assert out["after_s"] < 10  # liveness 2 s; the get's timeout is 30 s
 
 
 def test_unknown_and_unavailable_backends_fail_clearly():
