@@ -28,9 +28,11 @@ def test_epochs_shuffle_differently_and_seeds_matter():
     assert not np.array_equal(a, rank_indices(1000, 6, 0, 0, 1))
 
 
-def test_bad_rank_is_refused():
+def test_bad_rank_is_refused(tmp_path):
     with pytest.raises(ValueError, match="dp_rank=3, dp_size=3"):
         rank_indices(10, 0, 0, 3, 3)
+    with pytest.raises(ValueError, match="dp_rank=2, dp_size=2"):  # by the constructor, before any worker starts
+        FlowDataLoader(tmp_path / "not-read", None, dp_rank=2, dp_size=2)
 
 
 @pytest.fixture(scope="module")

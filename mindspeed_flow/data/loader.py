@@ -41,6 +41,7 @@ from .batch import collate_pack
 from .decode import BadSample, Decoder, Sample, from_wire, to_wire
 from .images import MAX_PIXELS, MIN_PIXELS
 from .overlong import POLICIES, OverlongPolicy, fit
+from .sharding import check_rank
 from .source import Corpus
 from .stats import LoaderStats
 from .stream import RankStream
@@ -118,6 +119,7 @@ class FlowDataLoader:
             raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
         if step_packs < 1:
             raise ValueError(f"step_packs must be >= 1, got {step_packs}")
+        check_rank(dp_rank, dp_size)  # here, not first in a decoding worker
         self.capacity, self.window, self.overlong, self.bad_input = capacity, window, overlong, bad_input
         self.dp_rank, self.dp_size, self.num_workers, self.seed, self.shuffle = dp_rank, dp_size, num_workers, seed, shuffle
         self.step_packs, self.pp_size = step_packs, pp_size

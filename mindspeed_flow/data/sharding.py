@@ -18,8 +18,13 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarr
     return np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n).astype(np.int64)
 
 
-def rank_indices(n: int, seed: int, epoch: int, dp_rank: int, dp_size: int, shuffle: bool = True) -> np.ndarray:
-    """Record indices rank ``dp_rank`` of ``dp_size`` reads in epoch ``epoch``, in order."""
+def check_rank(dp_rank: int, dp_size: int) -> None:
+    """Refuse DP coordinates that name no shard."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+
+
+def rank_indices(n: int, seed: int, epoch: int, dp_rank: int, dp_size: int, shuffle: bool = True) -> np.ndarray:
+    """Record indices rank ``dp_rank`` of ``dp_size`` reads in epoch ``epoch``, in order."""
+    check_rank(dp_rank, dp_size)
     return epoch_order(n, seed, epoch, shuffle)[dp_rank::dp_size]
