@@ -24,6 +24,7 @@ whole pipeline (decode + batch) and the ratios ours / baseline.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -125,6 +126,31 @@ def run_baseline(corpus: Path, args, lengths_by_id: dict[str, int]) -> dict:
             "config": f"DistributedSampler + pad-to-longest, batch size {batch_size} (best within capacity)"}
 
 
+def run_prefetch_effect(corpus: Path, args) -> None:
+    """``--prefetch-effect``: wall time of ``--prefetch-packs`` training steps of ``--step-ms``
+    each (a sleep: the host is idle while the device computes) fed by our loader decoding
+    in the training process (no prefetch, the baseline) or ahead in ``--workers`` workers
+    with ``prefetch_factor`` 1 and 8 (the default)."""
+    configs = [("no prefetch (0 workers)", 0, 8), (f"{args.workers} workers, prefetch 1", args.workers, 1),
+               (f"{args.workers} workers, prefetch 8", args.workers, 8)]
+    times = {}
+    for name, workers, factor in configs:
+        loader = FlowDataLoader(corpus, None, capacity=args.capacity, num_workers=workers, seed=args.seed,
+                                window=args.window, max_pixels=args.max_pixels, prefetch_factor=factor)
+        batches = iter(loader)
+        next(batches)  # start-up (worker spawn, first decode) is not part of the steady state
+        start, steps = time.perf_counter(), 0
+        for _ in tqdm(itertools.islice(batches, args.prefetch_packs), desc=name, unit="step"):
+            time.sleep(args.step_ms / 1000)
+            steps += 1
+        times[name] = (time.perf_counter() - start) / steps
+        del batches, loader
+    base = times[configs[0][0]]
+    print(f"\nup to {args.prefetch_packs} steps of {args.step_ms} ms simulated device time, capacity {args.capacity}")
+    for name, seconds in times.items():
+        print(f"{name:<28}{seconds * 1000:>8.1f} ms/step   x{base / seconds:.2f} vs no prefetch")
+
+
 def summary(run: dict) -> dict:
     return {**run, "tokens_per_step": run["tokens"] / run["steps"], "padding": 1 - run["tokens"] / run["slots"],
             "tokens_per_s": run["tokens"] / run["seconds"]}
@@ -140,9 +166,15 @@ def main() -> None:
     parser.add_argument("--max-pixels", type=int, default=262144)
     parser.add_argument("--corpus", type=Path, help="an existing corpus (default: a fresh demo corpus)")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument("--prefetch-effect", action="store_true",
+                        help="instead: measure decoding ahead in workers against no prefetch (see run_prefetch_effect)")
+    parser.add_argument("--prefetch-packs", type=int, default=40, help="steps timed by --prefetch-effect")
+    parser.add_argument("--step-ms", type=float, default=100.0, help="simulated device time per step (--prefetch-effect)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         corpus = args.corpus or make_demo_corpus(Path(tmp) / "corpus", samples=args.samples, seed=0)
+        if args.prefetch_effect:
+            return run_prefetch_effect(corpus, args)
         ours, lengths = run_ours(corpus, args)
         base = run_baseline(corpus, args, lengths)
     ours, base = summary(ours), summary(base)
