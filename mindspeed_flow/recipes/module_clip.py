@@ -19,16 +19,9 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .module_lr import strip_wrappers
+from .module_lr import owning_prefix
 
 EPS = 1e-6
-
-
-def owner(name: str, prefixes: Iterable[str]) -> str | None:
-    """The longest prefix that names parameter ``name`` (``None``: none does)."""
-    name = strip_wrappers(name)
-    hits = [p for p in prefixes if name == p or name.startswith(p + ".")]
-    return max(hits, key=len) if hits else None
 
 
 @torch.no_grad()
@@ -46,7 +39,7 @@ def clip_grads_per_module(named_params: Iterable[tuple[str, torch.Tensor]], max_
     members: list[list[torch.Tensor]] = [[] for _ in modules]
     for name, param in named_params:
         grad = param.grad
-        module = owner(name, modules)
+        module = owning_prefix(name, modules)
         if grad is None or module is None:
             continue
         members[index[module]].append(grad)

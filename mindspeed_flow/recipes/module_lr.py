@@ -82,11 +82,17 @@ def strip_wrappers(name: str) -> str:
     return name
 
 
-def module_of(name: str, settings: Sequence[ModuleLR]) -> ModuleLR | None:
-    """The setting whose prefix is the longest that names ``name`` (``None``: no module)."""
+def owning_prefix(name: str, prefixes: Iterable[str]) -> str | None:
+    """The longest of ``prefixes`` that names parameter ``name`` (``None``: none does)."""
     name = strip_wrappers(name)
-    hits = [s for s in settings if name == s.prefix or name.startswith(s.prefix + ".")]
-    return max(hits, key=lambda s: len(s.prefix)) if hits else None
+    hits = [p for p in prefixes if name == p or name.startswith(p + ".")]
+    return max(hits, key=len) if hits else None
+
+
+def module_of(name: str, settings: Sequence[ModuleLR]) -> ModuleLR | None:
+    """The setting whose prefix owns ``name`` (``None``: no module)."""
+    prefix = owning_prefix(name, (s.prefix for s in settings))
+    return next(s for s in settings if s.prefix == prefix) if prefix is not None else None
 
 
 def split_param_groups(groups: list[dict[str, Any]], named_parameters: Iterable[tuple[str, torch.Tensor]],
