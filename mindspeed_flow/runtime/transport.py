@@ -186,7 +186,7 @@ class Transport:
         while self.max_pending_sends is not None and len(self.pending) >= 2 * self.max_pending_sends:
             wait(self.pending.popleft(), self.policy, self.board)  # a tensor is two messages
         for buffer, t in ((meta, 2 * tag), (data, 2 * tag + 1)):
-            work = dist.isend(buffer, dst=dst, group=self.group, tag=t)
+            work = self._post(dist.isend, buffer, dst, t, what)
             self.pending.append(self.send_waiter.submit(work, (buffer,), what))
         self.peak_pending = max(self.peak_pending, len(self.pending) // 2)
 
@@ -194,12 +194,23 @@ class Transport:
         """Block until plan rank ``peer``'s tensor with ``tag`` has arrived; return it."""
         src = self.ranks[peer]
         meta = torch.empty(_HEADER, dtype=torch.int64)
-        work = dist.irecv(meta, src=src, group=self.group, tag=2 * tag)
+        work = self._post(dist.irecv, meta, src, 2 * tag, what)
         wait(self.recv_waiter.submit(work, (), what), self.policy, self.board)
         data = empty_from_header(meta, device)
-        work = dist.irecv(data, src=src, group=self.group, tag=2 * tag + 1)
+        work = self._post(dist.irecv, data, src, 2 * tag + 1, what)
         wait(self.recv_waiter.submit(work, (), what), self.policy, self.board)
         return data
+
+    def _post(self, post: Callable, buffer: torch.Tensor, peer: int, tag: int, what: Callable[[], str]) -> Any:
+        """``isend``/``irecv``; a connection that is already closed (the peer stopped after
+        reporting a failure, or died) fails with the peer's report when there is one."""
+        try:
+            return post(buffer, peer, group=self.group, tag=tag)
+        except RuntimeError as exc:
+            reported = self.board.read()
+            cause = reported or (f"the transport failed ({type(exc).__name__}: {str(exc).strip()[:200]}); "
+                                 "did the peer die?")
+            raise PeerFailure(f"{what()} failed: {cause}") from exc
 
     def retire(self) -> None:
         """Drop completed sends from the head of the queue (their buffers can go)."""
