@@ -55,3 +55,21 @@ def test_state_round_trip_and_bad_values():
         DynamicLossWeighting(beta=1.0)
     with pytest.raises(ValueError, match="task 'text' is not among the configured tasks"):
         a.update(per_task_sums(*batch(), TASK_OF), ["caption"])
+
+
+def dp_worker(rank: int, world_size: int) -> dict:
+    """Each DP rank sees other tasks' samples; the all-reduced weights must agree."""
+    import torch.distributed as dist
+
+    weighting = DynamicLossWeighting(beta=0.5)
+    local = {0: {"caption": (torch.tensor(9.0), 3)}, 1: {"caption": (torch.tensor(1.0), 1),
+                                                           "text": (torch.tensor(8.0), 4)}}[rank]
+    return weighting.update(local, ["caption", "text"], group=dist.group.WORLD)
+
+
+def test_weights_agree_across_data_parallel_ranks():
+    from megatron_cpu_harness import launch
+
+    first, second = launch(dp_worker, 2)
+    # over both ranks caption 10 / 4 = 2.5, text 8 / 4 = 2 (neither rank alone sees these)
+    assert first == second == pytest.approx({"caption": 0.4 / 0.45, "text": 0.5 / 0.45})
