@@ -109,7 +109,7 @@ def _measure_here(shape: BlockShape, warmup: int, repeats: int) -> tuple[Profile
         shims.remove()
     flops = shape.layers * shape.spec().layer_forward_flops(shape.micro_batch) / shape.tp
     return ProfilePoint(shape.module, shape.tp, shape.micro_batch, shape.seq, shape.layers,
-                        forward, backward, flops), weights
+                        forward, backward, flops, hidden=shape.hidden), weights
 
 
 def _rank_main(rank: int, port: int, shapes: list[BlockShape], warmup: int, repeats: int, out_dir: str) -> None:

@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--out", default="configs/allocator/profiles/cpu_megatron_tiny.yaml")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tp-link-gbps", type=float, default=2.0,
+                        help="the link TP runs over here (GB/s); not measured: the tiny_cpu cluster's figure")
+    parser.add_argument("--tp-link-latency-us", type=float, default=50.0)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     points, peaks = [], []
@@ -52,6 +55,7 @@ def main() -> None:
         peak_tflops=peak, points=tuple(points),
         source=f"scripts/profile_allocator.py, megatron-core {megatron_core_version()}, "
                f"{datetime.date.today().isoformat()}, gloo TP on 127.0.0.1",
+        tp_link_gbps=args.tp_link_gbps, tp_link_latency_us=args.tp_link_latency_us,
     )
     path = profile.save(Path(args.out))
     print(f"{len(points)} points, peak {peak * 1e3:.1f} GFLOP/s -> {path}")

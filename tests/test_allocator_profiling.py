@@ -24,11 +24,11 @@ def test_tp2_block_is_measured_on_megatron_layers(tmp_path):
         # Megatron's matrices on one TP rank are exactly what the allocator counts.
         assert weights == spec.layer_params * shape.layers // 2
         assert point.flops == pytest.approx(shape.layers * spec.layer_forward_flops(shape.micro_batch) / 2)
-        assert (point.module, point.tp, point.micro_batch, point.seq) == (shape.module, 2, shape.micro_batch,
-                                                                          shape.seq)
+        assert (point.module, point.tp, point.micro_batch, point.seq, point.hidden) == (
+            shape.module, 2, shape.micro_batch, shape.seq, shape.hidden)
         assert 0 < point.forward_s < 10 and 0 < point.backward_s < 10
     assert measured.peak_tflops > 0
-    profile = Profile("cpu test", measured.peak_tflops, measured.points)
+    profile = Profile("cpu test", measured.peak_tflops, measured.points, tp_link_gbps=2.0)
     assert Profile.load(profile.save(tmp_path / "p.json")) == profile
     with pytest.raises(ValueError, match="no tp=1 points"):  # the proxy needs TP 1 points
         ProxyModel(profile, ClusterSpec(devices=8))

@@ -4,6 +4,7 @@ they should, and profiles survive a round trip through their files."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -148,3 +149,68 @@ def test_rate_bound_is_never_below_the_simulated_rate(proxy):
                 assert proxy.backbone_rate_bound(BACKBONE, workload, tp, pp, mbs, dp) >= rate * (1 - 1e-12)
     assert proxy.backbone_rate_bound(BACKBONE, workload, 2, 1, 1, 1) == pytest.approx(
         proxy.backbone(BACKBONE, workload, 2, 1, 1, 1).rate)
+
+
+CPU_PROFILE = Path(__file__).resolve().parents[1] / "configs/allocator/profiles/cpu_megatron_tiny.yaml"
+# The block shapes scripts/profile_allocator.py measured (its ENCODER / BACKBONE).
+PROFILED_SHAPES = {"encoder": dict(hidden=320, heads=4, ffn=864, query_groups=4),
+                   "backbone": dict(hidden=512, heads=8, ffn=1408, query_groups=2)}
+REPRODUCE_TOLERANCE = 0.01  # relative error of forward + backward at every measured point
+
+
+def _profiled_cluster(profile: Profile) -> ClusterSpec:
+    """The machine the profile was measured on: its peak, and TP over the profile's link."""
+    return ClusterSpec(devices=8, devices_per_node=8, peak_tflops=profile.peak_tflops,
+                       intra_node_gbps=profile.tp_link_gbps, latency_us=profile.tp_link_latency_us)
+
+
+def test_proxy_reproduces_every_measured_profile_point_tp2_included():
+    """The calibrated proxy predicts each measured point (TP 1 and TP 2) within 1%; the
+    formula-only model (no fitted factor) misses the TP 2 points by far more."""
+    profile = Profile.load(CPU_PROFILE)
+    proxy = ProxyModel(profile, _profiled_cluster(profile))
+    formula_errors = []
+    assert {p.tp for p in profile.points} == {1, 2}
+    for p in profile.points:
+        spec = ModuleSpec(layers=p.layers, tokens_per_sample=p.seq, **PROFILED_SHAPES[p.module])
+        assert spec.hidden == p.hidden
+        assert p.layers * spec.layer_forward_flops(p.micro_batch) / p.tp == pytest.approx(p.flops)
+        forward, backward = proxy.layer_seconds(p.module, spec, p.tp, p.micro_batch)
+        measured = p.forward_s + p.backward_s
+        assert p.layers * (forward + backward) == pytest.approx(measured, rel=REPRODUCE_TOLERANCE), p
+        compute = proxy.compute_seconds(p.module, p.flops / p.layers)
+        comm = proxy.tp_comm_seconds(proxy.intra, p.tp, p.micro_batch * p.seq * p.hidden)
+        formula = p.layers * ((1 + proxy._backward_ratio[p.module]) * compute + 2 * comm)
+        if p.tp > 1:
+            formula_errors.append(abs(formula / measured - 1))
+    assert max(formula_errors) > 10 * REPRODUCE_TOLERANCE
+
+
+def _tp_profile(factors: dict[int, float]) -> Profile:
+    """One work size per TP size; TP ``tp`` runs ``factors[tp]`` times slower than the
+    tp=1 efficiency (backward exactly 2x forward, so the median ratio is 2)."""
+    points = []
+    for module in ("encoder", "backbone"):
+        for tp, slow in factors.items():
+            forward = 1e9 / (0.5 * 1e12) * slow
+            points.append(ProfilePoint(module, tp, 1, 64, 1, forward, 2 * forward, 1e9, hidden=64))
+    return Profile("t", 1.0, points, tp_link_gbps=1e9)
+
+
+def test_tp_factor_is_interpolated_in_log_tp_and_held_beyond_the_measured_sizes():
+    proxy = ProxyModel(_tp_profile({1: 1.0, 2: 1.5, 8: 3.0}), CLUSTER)
+    factor = proxy.calibration.factor
+    assert factor("backbone", 1, 1e9) == pytest.approx(1.0)
+    assert factor("backbone", 2, 1e9) == pytest.approx(1.5, rel=1e-3)
+    assert factor("backbone", 4, 1e9) == pytest.approx(2.25, rel=1e-3)  # halfway between 2 and 8 in log tp
+    assert factor("backbone", 8, 1e9) == pytest.approx(3.0, rel=1e-3)
+    assert factor("encoder", 16, 1e12) == pytest.approx(3.0, rel=1e-3)  # held beyond tp 8 and flat in work
+
+
+def test_tp_points_without_a_hidden_size_or_link_are_named():
+    points = list(_tp_profile({1: 1.0, 2: 1.5}).points)
+    points[1] = ProfilePoint("encoder", 2, 1, 64, 1, 0.01, 0.02, 1e9)
+    with pytest.raises(AllocatorError, match=r"points\[1\] \(tp=2\) has no hidden size"):
+        ProxyModel(Profile("t", 1.0, points, tp_link_gbps=1.0), CLUSTER)
+    with pytest.raises(AllocatorError, match="tp > 1 points but no tp_link_gbps"):
+        Profile("t", 1.0, points)

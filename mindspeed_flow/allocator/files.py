@@ -4,7 +4,7 @@ that name the file and the place."""
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -42,10 +42,11 @@ def read_data(path: str | Path) -> Any:
 
 
 def field_values(cls: type, data: Any, where: str) -> dict[str, Any]:
-    """The values of every field of dataclass ``cls`` from mapping ``data``."""
+    """The values of the fields of dataclass ``cls`` in mapping ``data``; a field without
+    a default must be there."""
     if not isinstance(data, Mapping):
         raise AllocatorError(f"{where}: expected a mapping")
-    names = [f.name for f in fields(cls)]
+    names = [f.name for f in fields(cls) if f.name in data or (f.default is MISSING and f.default_factory is MISSING)]
     missing = [n for n in names if n not in data]
     if missing:
         raise AllocatorError(f"{where}: missing {', '.join(missing)}")

@@ -29,6 +29,8 @@ class ProfilePoint:
         layers: layers in the measured block.
         forward_s, backward_s: median wall seconds of one forward / one backward of the block.
         flops: forward FLOPs of the block per TP rank (the backward does twice as many).
+        hidden: the block's hidden size (0: not recorded); TP > 1 points need it, to
+            separate their all-reduce time from compute (:mod:`.tp_calibration`).
     """
 
     module: str
@@ -39,6 +41,7 @@ class ProfilePoint:
     forward_s: float
     backward_s: float
     flops: float
+    hidden: int = 0
 
     def __post_init__(self) -> None:
         if self.module not in MODULES:
@@ -65,23 +68,31 @@ class Profile:
         peak_tflops: the device's measured dense-GEMM peak; efficiency is achieved / this.
         points: the measurements.
         source: how they were taken (script, date, megatron-core version).
+        tp_link_gbps, tp_link_latency_us: the link TP ran over while profiling (GB/s, us);
+            needed when there are TP > 1 points (0: not given).
     """
 
     device: str
     peak_tflops: float
     points: tuple[ProfilePoint, ...]
     source: str = ""
+    tp_link_gbps: float = 0.0
+    tp_link_latency_us: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "points", tuple(self.points))
         if not self.peak_tflops > 0:
             raise AllocatorError(f"profile: peak_tflops must be > 0, got {self.peak_tflops}")
+        if any(p.tp > 1 for p in self.points) and not self.tp_link_gbps > 0:
+            raise AllocatorError(f"profile ({self.device}): has tp > 1 points but no tp_link_gbps "
+                                 "(the link TP ran over while profiling)")
 
     def module_points(self, module: str, tp: int | None = None) -> list[ProfilePoint]:
         return [p for p in self.points if p.module == module and (tp is None or p.tp == tp)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device, "peak_tflops": self.peak_tflops, "source": self.source,
+                "tp_link_gbps": self.tp_link_gbps, "tp_link_latency_us": self.tp_link_latency_us,
                 "points": [asdict(p) for p in self.points]}
 
     def save(self, path: str | Path) -> Path:
@@ -102,7 +113,8 @@ class Profile:
                 raise AllocatorError(f"{where}: missing key {key!r}")
         return cls(device=str(data["device"]), peak_tflops=float(data["peak_tflops"]),
                    points=tuple(_point(p, f"{where}: points[{i}]") for i, p in enumerate(data["points"])),
-                   source=str(data.get("source", "")))
+                   source=str(data.get("source", "")), tp_link_gbps=float(data.get("tp_link_gbps", 0.0)),
+                   tp_link_latency_us=float(data.get("tp_link_latency_us", 0.0)))
 
 
 def _point(data: Any, where: str) -> ProfilePoint:

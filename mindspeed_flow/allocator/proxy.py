@@ -11,6 +11,9 @@ were never run:
 - TP communication: Megatron's two all-reduces per layer in the forward and two in the
   backward (as reduce-scatter + all-gather with sequence parallelism: the same volume),
   ring volume ``2 (tp-1)/tp`` of the layer's activations, over the intra-node link;
+- calibration: compute is multiplied by a factor fitted per module and TP size so that
+  the model reproduces every point the profile measured, TP > 1 included
+  (:mod:`.tp_calibration`: interpolated in work and in log tp, held beyond the measured TP);
 - the pipeline: step time and bubble from the schedule simulator (:mod:`.pipeline`);
 - data parallel: one ring all-reduce (or reduce-scatter + all-gather) of the bf16
   gradients per step over the inter-node link, not overlapped;
@@ -28,6 +31,7 @@ from .memory import MemoryEstimate
 from .pipeline import PipelineStep, backbone_layout, pipeline_step, step_lower_bound, uniform_split
 from .profile import Profile
 from .specs import AllocatorError, ClusterSpec, ModuleSpec, Workload
+from .tp_calibration import TPCalibration, piecewise_log
 from mindspeed_flow.schedule import Link, RegionCost
 
 
@@ -77,6 +81,22 @@ class ProxyModel:
                                 for m in ("encoder", "backbone")}
         self.intra = Link(cluster.latency_us * 1e-6, cluster.intra_node_gbps * 1e9)
         self.inter = Link(cluster.latency_us * 1e-6, cluster.inter_node_gbps * 1e9)
+        self.calibration = TPCalibration.fit(profile, self._backward_ratio, self._profiled_terms)
+
+    def _profiled_terms(self, module: str, tp: int, flops_per_rank: float, samples: int, seq: int,
+                        hidden: int) -> tuple[float, float]:
+        """The formula's compute and one-direction TP communication seconds of one layer on
+        the profiled device (its peak, its TP link): what the calibration is fitted against."""
+        compute = flops_per_rank / (self.efficiency(module, flops_per_rank) * self.profile.peak_tflops * 1e12)
+        link = Link(self.profile.tp_link_latency_us * 1e-6, self.profile.tp_link_gbps * 1e9)
+        return compute, self.tp_comm_seconds(link, tp, samples * seq * hidden)
+
+    @staticmethod
+    def tp_comm_seconds(link: Link, tp: int, tokens_times_hidden: float) -> float:
+        """Megatron's two TP all-reduces of one direction of one layer (ring volume)."""
+        if tp == 1:
+            return 0.0
+        return 2 * link.seconds(2 * (tp - 1) / tp * memory.BF16 * tokens_times_hidden)
 
     def _efficiency_curve(self, module: str) -> list[tuple[float, float]]:
         points = self.profile.module_points(module, tp=1)
@@ -87,26 +107,18 @@ class ProxyModel:
 
     def efficiency(self, module: str, flops_per_rank: float) -> float:
         """Achieved fraction of peak for one layer's forward of ``flops_per_rank`` FLOPs."""
-        curve = self._curves[module]
-        x = math.log(flops_per_rank)
-        if x <= curve[0][0]:
-            return curve[0][1]
-        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-            if x <= x1:
-                return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
-        return curve[-1][1]
+        return piecewise_log(self._curves[module], flops_per_rank)
 
     def compute_seconds(self, module: str, flops_per_rank: float) -> float:
         """Seconds for ``flops_per_rank`` FLOPs at the efficiency the profile shows for that much work."""
         return flops_per_rank / (self.efficiency(module, flops_per_rank) * self.cluster.peak_tflops * 1e12)
 
     def layer_seconds(self, module: str, spec: ModuleSpec, tp: int, samples: int) -> tuple[float, float]:
-        """(forward, backward) seconds of one layer for one microbatch on a TP group."""
-        compute = self.compute_seconds(module, spec.layer_forward_flops(samples) / tp)
-        comm = 0.0
-        if tp > 1:
-            activation = memory.BF16 * samples * spec.tokens_per_sample * spec.hidden
-            comm = 2 * self.intra.seconds(2 * (tp - 1) / tp * activation)
+        """(forward, backward) seconds of one layer for one microbatch on a TP group:
+        calibrated compute plus the TP all-reduces over the intra-node link."""
+        flops_per_rank = spec.layer_forward_flops(samples) / tp
+        compute = self.calibration.factor(module, tp, flops_per_rank) * self.compute_seconds(module, flops_per_rank)
+        comm = self.tp_comm_seconds(self.intra, tp, samples * spec.tokens_per_sample * spec.hidden)
         return compute + comm, self._backward_ratio[module] * compute + comm
 
     def gradient_reduce_seconds(self, param_count: float, tp: int, dp: int) -> float:
