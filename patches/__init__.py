@@ -44,8 +44,10 @@ def activate(argv: Sequence[str] | None = None, environ: Mapping[str, str] | Non
         install_registry(registry)
     config = FlowConfig.from_argv(sys.argv[1:] if argv is None else argv,
                                   os.environ if environ is None else environ)
-    enable_features(config.features)
+    # ``system`` swaps nothing: it sets the environment and the core binding right here,
+    # before upstream (and torch_npu) is imported, so it is not a registry feature.
     if config.enabled("system"):
         from mindspeed_flow.system.apply import apply_system_settings
         apply_system_settings()
+    enable_features(config.features - {"system"})
     return registry
