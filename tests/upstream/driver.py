@@ -1,5 +1,6 @@
 """One upstream job in one process: MindSpeed's adaptor, Megatron's initialisation and
-MindSpeed-MM's ``VLMModel``, one forward/backward through Megatron's own schedule.
+MindSpeed-MM's ``VLMModel``, one forward/backward through the ``forward_backward_func``
+Megatron's getter returns (its own schedule; the plugin's runtime under ``--use-flowtrain``).
 
 Run by :mod:`harness` (never imported by the test process): as ``python driver.py ARGS`` for
 upstream as it is, or ``python -m mindspeed_flow.launch driver.py ARGS --use-flowtrain``

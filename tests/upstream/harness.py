@@ -14,7 +14,7 @@ Usage from a test (this folder is on ``sys.path`` under pytest)::
 
     job = Job(samples=sample_specs(3), layout="microbatches")  # or layout="packed"
     plain = run_upstream(job, tmp_path / "plain")                    # upstream as is
-    ours = run_upstream(job, tmp_path / "ours", plugin=True,        # + PATCH_FEATURE_FLAGS,
+    ours = run_upstream(job, tmp_path / "ours", plugin=True,        # + --use-flowtrain,
                         load=plain.initial_weights)                  # same initial weights
     ours.loss, ours.grads["module.text_decoder.output_layer.weight"], ours.report
 
@@ -186,6 +186,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def one_stage_layout(workdir: Path) -> Path:
+    """A schedule layout of one stage.  At PP=1 without a layout the schedule feature hands
+    back Megatron's own ``forward_backward_no_pipelining``; naming one puts the plugin's
+    runtime on the path of the single-stage runs too, so their equality is the runtime's."""
+    path = workdir / "one_stage_layout.yaml"
+    path.write_text("regions:\n  - {name: llm, layers: 2}\n")
+    return path
+
+
 def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | None = None,
                  save_initial: bool = True, extra_plugin_flags: tuple[str, ...] = PATCH_FEATURE_FLAGS) -> UpstreamRun:
     """Run ``driver.py`` once under ``job``; with ``plugin`` through ``mindspeed_flow.launch``
@@ -203,8 +212,11 @@ def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | Non
     (workdir / "job.json").write_text(json.dumps(spec))
     env = upstream_env(sources, workdir)
     env["MINDSPEED_FLOW_HARNESS_JOB"] = str(workdir / "job.json")
+    flags = list(extra_plugin_flags) if plugin else []
+    if "--use-flowtrain" in flags and job.pp == 1:
+        flags += ["--flow-schedule-config", str(one_stage_layout(workdir))]
     script = [*(["-m", "mindspeed_flow.launch"] if plugin else []), str(DRIVER),
-              *job.megatron_args(model_json), *(extra_plugin_flags if plugin else ())]
+              *job.megatron_args(model_json), *flags]
     if job.pp == 1:
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(_free_port())})

@@ -75,15 +75,16 @@ FLOW_FORWARD_BACKWARD = "mindspeed_flow.adapters.megatron_core_schedule:flow_for
 SCHEDULE_GETTER = "megatron.core.pipeline_parallel.schedules:get_forward_backward_func"
 
 
-def test_pp2_step_ran_on_our_runtime_next_to_variable_seq_lengths(runs):
+@pytest.mark.parametrize("name", ["fp32_flow", "fp32_flow_packed", "fp32_flow_packed_pp2", "bf16_flow"])
+def test_plugin_steps_ran_on_our_runtime_next_to_variable_seq_lengths(runs, name):
     """With --use-flowtrain next to upstream's --variable-seq-lengths, start-up composes (one
     line says MindSpeed's p2p patch is bypassed), every stage's step runs our runtime's
     forward_backward_func, and Megatron's p2p ``_communicate`` (MindSpeed-patched) is never
-    called: the equality of the PP=2 test below is our runtime's."""
-    plain, packed = runs.get("fp32_plain"), runs.get("fp32_flow_packed_pp2")
+    called: the equalities below are our runtime's (the plain runs ran Megatron's)."""
+    plain, ours = runs.get("fp32_plain"), runs.get(name)
     assert plain.result["forward_backward_func"] != FLOW_FORWARD_BACKWARD
-    assert "bypassed" in packed.output and "--variable-seq-lengths" in packed.output
-    for rank, result in enumerate(packed.results):
+    assert "bypassed" in ours.output and "--variable-seq-lengths" in ours.output
+    for rank, result in enumerate(ours.results):
         statuses = {s for f, t, s in result["patches"] if f == "schedule" and t == SCHEDULE_GETTER}
         assert statuses == {"applied"}, (rank, statuses)
         assert result["forward_backward_func"] == FLOW_FORWARD_BACKWARD, rank
