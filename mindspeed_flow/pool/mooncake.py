@@ -49,13 +49,17 @@ def import_store():
 
 
 class _MooncakeIndex:
-    """The index as small hard-pinned objects in the same store (``upsert`` to overwrite)."""
+    """The index as small hard-pinned objects in the same store (``upsert`` to overwrite).
+
+    A participant's entries live in its own segment like its data: a write never lands in
+    another (possibly dead) client's segment.  They vanish with it, which is why consumers
+    remember the claims they saw."""
 
     def __init__(self, pool: "MooncakePool") -> None:
         self.pool = pool
 
     def set(self, key: str, value: bytes) -> None:
-        self.pool.check(self.pool.store.upsert(self.name(key), value, self.pool.index_config), "upsert", key)
+        self.pool.check(self.pool.store.upsert(self.name(key), value, self.pool.config), "upsert", key)
 
     def get(self, key: str) -> bytes | None:
         if not self.has(key):
@@ -94,9 +98,6 @@ class MooncakePool(Pool):
         self.config = config_cls()
         self.config.replica_num = 1
         self.config.with_hard_pin = True
-        self.index_config = config_cls()  # index entries: wherever the master places them
-        self.index_config.replica_num = 1
-        self.index_config.with_hard_pin = True
         self.config.preferred_segment = self.store.get_hostname()
         super().__init__(_MooncakeIndex(self), owner or f"pid{os.getpid()}", capacity_bytes, **options)
 
