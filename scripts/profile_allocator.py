@@ -1,17 +1,17 @@
-"""Measure the allocator's CPU profile with megatron-core's real transformer layers.
+"""Measure an allocator profile with megatron-core's real transformer layers.
 
 A ViT-shaped block (the encoder) and an LLM-shaped block (the backbone) run forward and
-backward at a few (tp, micro batch, sequence) points; TP 2 runs in two gloo processes.
+backward at a few (tp, micro batch, sequence) points; TP 2 runs in two processes (gloo on
+the CPU, nccl on CUDA, hccl on an NPU: ``--device``; only the CPU has been run).
 Writes a profile file (default ``configs/allocator/profiles/cpu_megatron_tiny.yaml``).
 
-    .venv/bin/python scripts/profile_allocator.py [--out PATH] [--repeats N]
+    .venv/bin/python scripts/profile_allocator.py [--out PATH] [--repeats N] [--device cpu|cuda|npu|auto]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import warnings
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from mindspeed_flow.adapters.megatron_core import megatron_core_version
 from mindspeed_flow.adapters.megatron_core_profile import BlockShape, measure
+from mindspeed_flow.adapters.profile_device import DEVICES
 from mindspeed_flow.allocator import Profile
 
 ENCODER = dict(module="encoder", layers=2, hidden=320, heads=4, ffn=864, query_groups=4)
@@ -37,24 +38,26 @@ def main() -> None:
     parser.add_argument("--out", default="configs/allocator/profiles/cpu_megatron_tiny.yaml")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--tp-link-gbps", type=float, default=2.0,
                         help="the link TP runs over here (GB/s); not measured: the tiny_cpu cluster's figure")
     parser.add_argument("--tp-link-latency-us", type=float, default=50.0)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    points, peaks = [], []
+    points, peaks, devices = [], [], set()
     for tp in tqdm(args.tp, desc="tp sizes"):
-        measured = measure(shapes(tp), warmup=2, repeats=args.repeats)
+        measured = measure(shapes(tp), warmup=2, repeats=args.repeats, device=args.device)
+        devices.add(measured.device)
         points += measured.points
         peaks.append(measured.peak_tflops)
     # A one-thread GEMM does not always beat a small transformer block here (caches), so
     # the peak is the best rate seen on this device, GEMM or block: efficiency stays <= 1.
     peak = max(peaks + [p.achieved_flops / 1e12 for p in points])
     profile = Profile(
-        device=f"cpu: {platform.processor() or platform.machine()}, 1 thread per rank",
+        device=", ".join(sorted(devices)),
         peak_tflops=peak, points=tuple(points),
         source=f"scripts/profile_allocator.py, megatron-core {megatron_core_version()}, "
-               f"{datetime.date.today().isoformat()}, gloo TP on 127.0.0.1",
+               f"{datetime.date.today().isoformat()}, --device {args.device}, TP on 127.0.0.1",
         tp_link_gbps=args.tp_link_gbps, tp_link_latency_us=args.tp_link_latency_us,
     )
     path = profile.save(Path(args.out))

@@ -32,3 +32,44 @@ def test_tp2_block_is_measured_on_megatron_layers(tmp_path):
     assert Profile.load(profile.save(tmp_path / "p.json")) == profile
     with pytest.raises(ValueError, match="no tp=1 points"):  # the proxy needs TP 1 points
         ProxyModel(profile, ClusterSpec(devices=8))
+
+
+def test_profiling_device_is_selected_at_run_time_and_a_missing_one_is_named():
+    """Here (no GPU, no torch_npu) ``auto`` is the CPU over gloo, and a requested CUDA or
+    NPU device is refused, naming what is missing, before any process starts."""
+    import torch
+
+    from mindspeed_flow.adapters.megatron_core_profile import BlockShape, measure
+    from mindspeed_flow.adapters.profile_device import DeviceUnavailableError, select_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this test describes a machine without CUDA")
+    assert select_device("auto", 2).dist_backend == "gloo"
+    assert select_device("cpu", 1).kind == "cpu"
+    with pytest.raises(DeviceUnavailableError, match=r"'cuda' requested but torch.cuda.is_available\(\) is False"):
+        select_device("cuda", 1)
+    with pytest.raises(DeviceUnavailableError, match="'npu' requested but torch_npu cannot be imported"):
+        select_device("npu", 1)
+    with pytest.raises(ValueError, match="must be one of"):
+        select_device("tpu", 1)
+    shape = BlockShape("backbone", layers=1, hidden=64, heads=4, ffn=176, query_groups=2, tp=2, micro_batch=1, seq=32)
+    with pytest.raises(DeviceUnavailableError, match="'cuda' requested"):
+        measure([shape], device="cuda")
+
+
+def test_cuda_selection_with_a_mocked_gpu_count(monkeypatch):
+    """MOCK: torch.cuda's availability and device count are faked (no GPU can exist here)
+    to check that CUDA means nccl, that ``auto`` prefers it, and that too few GPUs for the
+    TP size are named; the CPU path then refuses to run on such a machine."""
+    import torch
+
+    from mindspeed_flow.adapters.profile_device import DeviceUnavailableError, select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert select_device("auto", 2) == select_device("cuda", 2)
+    assert select_device("cuda", 2).dist_backend == "nccl"
+    with pytest.raises(DeviceUnavailableError, match="TP 4 needs 4 devices, found 2"):
+        select_device("cuda", 4)
+    with pytest.raises(DeviceUnavailableError, match="'cpu' requested on a CUDA machine"):
+        select_device("cpu", 1)
