@@ -258,6 +258,12 @@ def megatron_parallel(pipeline_parallel_size: int = 1) -> Iterator[None]:
             yield
         finally:
             parallel_state.destroy_model_parallel()
+            # destroy_model_parallel (0.12 and 0.16) leaves these lists behind, and the next
+            # initialisation sets them only on the groups' members: a rank left out (rank 1 of
+            # a PP=2 run after a PP=1 one) would still believe it is in the group.
+            for leaked in ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS"):
+                if hasattr(parallel_state, leaked):
+                    setattr(parallel_state, leaked, None)
     finally:
         shims.remove()
 

@@ -33,7 +33,12 @@ def _bindings(rank: int, parts: dict, batches: list) -> dict:
     return {("vit", 0): Binding(parts["vit"], data), ("llm", rank): Binding(parts[f"llm{rank}"], data)}
 
 
-def _transpose_worker(rank: int, world_size: int, frozen: bool) -> dict:
+def _transpose_worker(rank: int, world_size: int) -> dict:
+    """Frozen and trainable encoder -> :func:`_transpose_runs`, in one launch."""
+    return {frozen: _transpose_runs(rank, frozen) for frozen in (True, False)}
+
+
+def _transpose_runs(rank: int, frozen: bool) -> dict:
     """Both plans (eager, rendezvous) of `<transpose, 1f1b>`, and the eager one with an
     in-flight window of 1; rank 1's encoder starts from other weights, so only the broadcast
     can make it equal the reference."""
@@ -57,11 +62,16 @@ def _transpose_worker(rank: int, world_size: int, frozen: bool) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def transpose_runs():
+    return launch(_transpose_worker, 2, timeout_s=180)
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["frozen-vit", "trainable-vit"])
-def transposed(request):
+def transposed(request, transpose_runs):
     frozen = request.param
     expected = reference(build(frozen_encoder=frozen), make_batches(MICROBATCHES))
-    return frozen, expected, launch(_transpose_worker, 2, frozen, timeout_s=120)
+    return frozen, expected, [r[frozen] for r in transpose_runs]
 
 
 def test_eager_only_plan_is_the_contract():

@@ -4,7 +4,8 @@ In one process per rank, the same model chunks run one step under Megatron's sch
 one under ours (``flow_forward_backward``, what the patched ``get_forward_backward_func``
 returns); losses and every gradient must be equal bit for bit.  Variable-length microbatches
 (no padding to a common length) run through our PP=2 and are compared with a single-process
-run of the whole model.  Three launches in all: the reference, PP=2 (every case), PP=4.
+run of the whole model.  Two launches in all: PP=2 (every case, and the single-process
+reference computed by each rank alone first), PP=4.
 """
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ def _distinct(model, seed):
             p.add_(0.02 * torch.randn(p.shape, generator=g))
 
 
-def _one_f_one_b_cases(rank, world_size, varlen_state):
+def _one_f_one_b_cases(rank, world_size, with_varlen):
     """Worker: Megatron's 1F1B vs ours (2- and 3-value losses, forward only, non-loss data);
-    with PP=2 also interleaved and variable lengths."""
+    with PP=2 also interleaved, and (``with_varlen``) variable lengths against the
+    single-process reference, which each rank first computes alone (PP=1, no communication)
+    in the same launch."""
     from megatron.core.pipeline_parallel import schedules
     from megatron_cpu_harness import TinyGPTSpec, build_stage_model, megatron_parallel
 
@@ -93,6 +96,10 @@ def _one_f_one_b_cases(rank, world_size, varlen_state):
     spec = TinyGPTSpec(num_microbatches=4)
     megatron = schedules.forward_backward_pipelining_without_interleaving
     out = {}
+    varlen_state = None
+    if with_varlen:
+        out["varlen_reference"] = _varlen_reference()
+        varlen_state = out["varlen_reference"][0]
     with megatron_parallel(pipeline_parallel_size=world_size):
         model = build_stage_model(spec)
         _distinct(model, spec.seed + rank)
@@ -189,8 +196,8 @@ def _interleaved(world_size, chunks_per_rank=2):
     return _diff(*runs)
 
 
-def _varlen_reference(rank, world_size):
-    """Worker: the whole model, one process, Megatron's no-pipelining schedule (no p2p, so
+def _varlen_reference():
+    """The whole model in this process alone, Megatron's no-pipelining schedule (no p2p, so
     any lengths), over the variable-length microbatches."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron_cpu_harness import TinyGPTSpec, build_stage_model, full_state_dict, megatron_parallel
@@ -205,18 +212,17 @@ def _varlen_reference(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def varlen_reference():
+def pp2():
     from megatron_cpu_harness import launch
 
-    (reference,) = launch(_varlen_reference, 1, timeout_s=240)
-    return reference
+    return launch(_one_f_one_b_cases, 2, True, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
-def pp2(varlen_reference):
-    from megatron_cpu_harness import launch
-
-    return launch(_one_f_one_b_cases, 2, varlen_reference[0], timeout_s=300)
+def varlen_reference(pp2):
+    assert all(torch.equal(a, b) for a, b in zip(pp2[0]["varlen_reference"][2].values(),
+                                                   pp2[1]["varlen_reference"][2].values()))
+    return pp2[0]["varlen_reference"]
 
 
 def _exact(ranks, case):
@@ -269,4 +275,4 @@ def test_variable_length_microbatches_equal_single_process(pp2, varlen_reference
 def test_1f1b_pp4_equals_megatron_bit_for_bit():
     from megatron_cpu_harness import launch
 
-    _exact(launch(_one_f_one_b_cases, 4, None, timeout_s=300), "1f1b")
+    _exact(launch(_one_f_one_b_cases, 4, False, timeout_s=300), "1f1b")

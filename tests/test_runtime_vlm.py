@@ -50,10 +50,14 @@ def _vit(spec, frozen):
     return vit
 
 
-def _reference(rank, world_size):
-    """Worker: the whole VLM in one process, Megatron's no-pipelining schedule, with the
-    ViT frozen and trainable."""
-    return {frozen: _reference_run(frozen) for frozen in (True, False)}
+def _reference_then_pipelined(rank, world_size):
+    """Worker, one launch: first the whole VLM in this process alone (PP=1, Megatron's
+    no-pipelining schedule, no communication), with the ViT frozen and trainable; then the
+    runtime at PP=2 from the reference's GPT weights.  Returns (reference, pipelined)."""
+    reference = {frozen: _reference_run(frozen) for frozen in (True, False)}
+    state = reference[True][0]  # the GPT weights are the same in both cases
+    assert all(torch.equal(state[k], v) for k, v in reference[False][0].items() if isinstance(v, torch.Tensor))
+    return reference, _pipelined(rank, world_size, state)
 
 
 def _reference_run(frozen):
@@ -107,10 +111,10 @@ def _pipelined_run(rank, world_size, state, frozen):
 def runs():
     from megatron_cpu_harness import launch
 
-    (reference,) = launch(_reference, 1, timeout_s=180)
-    state = reference[True][0]  # the GPT weights are the same in both cases
-    assert all(torch.equal(state[k], v) for k, v in reference[False][0].items() if isinstance(v, torch.Tensor))
-    return reference, launch(_pipelined, 2, state, timeout_s=240)
+    (reference, first), (same_reference, last) = launch(_reference_then_pipelined, 2, timeout_s=300)
+    for frozen in (True, False):  # each rank computed the reference alone: the same numbers
+        assert reference[frozen][1] == same_reference[frozen][1]
+    return reference, [first, last]
 
 
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen-vit", "trainable-vit"])
