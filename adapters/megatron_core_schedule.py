@@ -148,6 +148,18 @@ CONFLICTS: tuple[tuple[str, Callable[[Any], bool]], ...] = (
      lambda a: bool(getattr(a, "recompute_in_bubble", False) or getattr(a, "recompute_in_advance", False))),
     ("MindSpeed-MM --hetero-parallel (its own get_forward_backward_func)",
      lambda a: bool(getattr(a, "hetero_parallel", False))),
+    # MindSpeed features that register their own schedules.get_forward_backward_func too
+    ("MindSpeed --optimize-send-recv-comm", lambda a: bool(getattr(a, "optimize_send_recv_comm", False))),
+    ("MindSpeed --use-multiparameter-pipeline-model-parallel",
+     lambda a: bool(getattr(a, "use_multiparameter_pipeline_model_parallel", False))),
+    ("MindSpeed --dist-train", lambda a: bool(getattr(a, "dist_train", False))),
+    ("MindSpeed --moe-fb-overlap (with virtual pipeline stages, a pipeline layout or PP=1)",
+     lambda a: bool(getattr(a, "moe_fb_overlap", False)) and bool(
+         getattr(a, "virtual_pipeline_model_parallel_size", None) or getattr(a, "pipeline_model_parallel_layout", None)
+         or getattr(a, "num_layers_per_virtual_pipeline_stage", None)
+         or int(getattr(a, "pipeline_model_parallel_size", 1) or 1) == 1)),
+    ("MindSpeed-MM layerwise_disaggregated_training",
+     lambda a: bool(getattr(a, "layerwise_disaggregated_training", False))),
 )
 FEATURE = "mindspeed-flow schedule (--flow-schedule)"
 

@@ -79,12 +79,43 @@ def test_vlm_layout_from_mindspeed_mm_args(tmp_path):
     ({"schedules_method": "dualpipev"}, "MindSpeed DualPipeV"),
     ({"recompute_in_bubble": True}, "MindSpeed RiPipe"),
     ({"hetero_parallel": True}, "MindSpeed-MM --hetero-parallel"),
+    ({"optimize_send_recv_comm": True}, "MindSpeed --optimize-send-recv-comm"),
+    ({"use_multiparameter_pipeline_model_parallel": True}, "MindSpeed --use-multiparameter-pipeline"),
+    ({"dist_train": True}, "MindSpeed --dist-train"),
+    ({"moe_fb_overlap": True, "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+     "MindSpeed --moe-fb-overlap"),
+    ({"layerwise_disaggregated_training": True}, "MindSpeed-MM layerwise_disaggregated_training"),
 ])
 def test_conflicting_schedule_features_are_refused_naming_both(flags, named):
     args = argparse.Namespace(flow_schedule_config=None, **flags)
     with pytest.raises(adapter.ScheduleConflict) as failure:
         adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
     assert "mindspeed-flow schedule (--flow-schedule)" in str(failure.value) and named in str(failure.value)
+
+
+def test_the_conflicts_are_upstreams_real_arguments():
+    """Each refused flag is declared by the pinned MindSpeed / MindSpeed-MM sources under
+    the name the check reads (argparse's dest of the flag)."""
+    from pinned_upstream import upstream_sources
+
+    sources = upstream_sources()
+    declared = ""
+    for tree in (sources.mindspeed / "mindspeed", sources.mindspeed_mm / "mindspeed_mm"):
+        for path in sorted(tree.rglob("*.py")):
+            text = path.read_text(errors="replace")
+            if "add_argument" in text or "layerwise_disaggregated_training" in text:
+                declared += text
+    for flag in ("--schedules-method", "--recompute-in-bubble", "--recompute-in-advance", "--hetero-parallel",
+                 "--variable-seq-lengths", "--optimize-send-recv-comm", "--use-multiparameter-pipeline-model-parallel",
+                 "--dist-train", "--moe-fb-overlap"):
+        assert f"'{flag}'" in declared or f'"{flag}"' in declared, flag
+    assert "args.layerwise_disaggregated_training = " in declared
+    assert "choices=['dualpipev']" in declared
+
+
+def test_no_moe_fb_overlap_refusal_when_it_keeps_megatrons_schedule():
+    args = argparse.Namespace(flow_schedule_config=None, moe_fb_overlap=True, pipeline_model_parallel_size=2)
+    adapter.check_conflicts(args)  # MindSpeed registers no schedule of its own here
 
 
 def test_variable_seq_lengths_composes_and_says_why(caplog):
