@@ -224,6 +224,34 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
     return from_mindspeed_mm
 
 
+RUNTIME_KEYS = ("timeout_s", "abort_poll_s", "max_pending_sends")
+
+
+def options_from_args(args: Any) -> RuntimeOptions | None:
+    """The ``runtime:`` section of ``--flow-schedule-config`` (``timeout_s``: how long a
+    wait may take before the step fails naming the action; ``abort_poll_s``;
+    ``max_pending_sends``), or ``None`` when the file has none."""
+    path = getattr(args, "flow_schedule_config", None)
+    if not path:
+        return None
+    import yaml
+
+    from mindspeed_flow.runtime import WaitPolicy
+
+    doc = yaml.safe_load(open(path)) or {}
+    section = doc.get("runtime") if isinstance(doc, dict) else None
+    if section is None:
+        return None
+    unknown = set(section) - set(RUNTIME_KEYS) if isinstance(section, dict) else {"(not a mapping)"}
+    if unknown:
+        raise ValueError(f"{path}: runtime: unknown keys {sorted(unknown)}; known: {list(RUNTIME_KEYS)}")
+    defaults = WaitPolicy()
+    wait = WaitPolicy(timeout_s=float(section.get("timeout_s", defaults.timeout_s)),
+                      abort_poll_s=float(section.get("abort_poll_s", defaults.abort_poll_s)))
+    bound = section.get("max_pending_sends")
+    return RuntimeOptions(wait=wait, max_pending_sends=None if bound is None else int(bound))
+
+
 def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """After Megatron validated its arguments: refuse conflicting features, load the layout
     (so a bad file fails at start-up, naming itself)."""
@@ -234,7 +262,7 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     if layout is not None and not getattr(layout, "deferred", False):
         stages = getattr(parsed, "pipeline_model_parallel_size", 1) or 1
         layout(stages, 1)
-    configure(layout, SETTINGS.options)
+    configure(layout, options_from_args(parsed) or SETTINGS.options)
     return result
 
 

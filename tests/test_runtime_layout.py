@@ -132,6 +132,21 @@ def test_variable_seq_lengths_composes_and_says_why(caplog):
         adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
 
 
+def test_runtime_section_sets_the_fault_timeout_and_send_bound(tmp_path):
+    config = tmp_path / "layout.yaml"
+    config.write_text("regions:\n  - {name: llm, layers: 4}\nruntime: {timeout_s: 7.5, max_pending_sends: 3}\n")
+    args = argparse.Namespace(flow_schedule_config=str(config), pipeline_model_parallel_size=2)
+    try:
+        adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
+        options = adapter.SETTINGS.options
+        assert (options.wait.timeout_s, options.wait.abort_poll_s, options.max_pending_sends) == (7.5, 0.25, 3)
+        config.write_text("regions:\n  - {name: llm, layers: 4}\nruntime: {timeout: 7.5}\n")
+        with pytest.raises(ValueError, match=rf"{config}: runtime: unknown keys \['timeout'\]"):
+            adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
+    finally:
+        adapter.configure()
+
+
 def test_start_up_loads_the_layout_and_fails_on_a_bad_file(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("regions:\n  - {name: llm, layers: 4}\n")
