@@ -70,9 +70,7 @@ def main() -> None:
           f"{'used':>6}  {'uniform':>9} {'x':>6}  {'disttrain':>9} {'x':>6}")
     for devices, batch, cold, cold_cpu, warm, sims, plan, uniform, heuristic in rows:
         print(f"{devices:>7} {batch:>6} {cold:>7.2f} {cold_cpu:>6.2f} {warm:>7.2f} {sims:>5}  {plan.throughput:>14.2f} "
-              f"{plan.predicted.mfu:>6.1%} {plan.devices:>6}  {uniform.throughput:>9.2f} "
-              f"{plan.throughput / uniform.throughput:>5.2f}x  {heuristic.throughput:>9.2f} "
-              f"{plan.throughput / heuristic.throughput:>5.2f}x")
+              f"{plan.predicted.mfu:>6.1%} {plan.devices:>6}  {_versus(plan, uniform)}  {_versus(plan, heuristic)}")
     print("\nconfigs:")
     for devices, _, _, _, _, _, plan, uniform, heuristic in rows:
         e, b = plan.encoder, plan.backbone
@@ -81,8 +79,17 @@ def main() -> None:
               f"pp {b.pp}, mbs {b.micro_batch}, LLM split {list(b.layer_split)}; production "
               f"{plan.predicted.production:.2f}, consumption {plan.predicted.consumption:.2f} samples/s, "
               f"bubble {plan.predicted.bubble_fraction:.1%}")
-        print(f"  {devices:>5} uniform:   {uniform.config} ({uniform.devices} devices, MFU {uniform.mfu:.1%})")
-        print(f"  {devices:>5} disttrain: {heuristic.config} ({heuristic.devices} devices, MFU {heuristic.mfu:.1%})")
+        for name, baseline in (("uniform:  ", uniform), ("disttrain:", heuristic)):
+            print(f"  {devices:>5} {name} " + ("no config fits" if baseline is None else
+                                              f"{baseline.config} ({baseline.devices} devices, MFU {baseline.mfu:.1%})"))
+
+
+def _versus(plan, baseline) -> str:
+    """The baseline's samples/s and the plan's ratio to it; a baseline with no config that
+    fits (memory, devices) is said so."""
+    if baseline is None:
+        return f"{'none fits':>9} {'-':>6}"
+    return f"{baseline.throughput:>9.2f} {plan.throughput / baseline.throughput:>5.2f}x"
 
 
 if __name__ == "__main__":
