@@ -41,6 +41,7 @@ from ..schedule.plan import Plan
 from ..schedule.validate import validate
 from .errors import ActionFailed, where
 from .feed import MicrobatchFeed
+from .fifo import check_posting_order
 from .sends import SKIPPED_WHEN_FORWARD_ONLY, deadlock_with_bound, plan_send_bound
 from .timeline import Stamp, Timeline
 from .transport import AbortBoard, PeerFailure, Transport, WaitPolicy, Waiter
@@ -127,8 +128,9 @@ class Executor:
         self._send_bounds: dict[tuple[int, bool], tuple[Plan, int]] = {}
 
     def prepare(self, plan: Plan) -> dict[tuple[str, int | None], int]:
-        """Validate ``plan`` (eager semantics, then as the executor runs it) once and number
-        its transfers' tags."""
+        """Validate ``plan`` (eager semantics, then as the executor runs it, then - on a backend
+        that ignores tags - its per-pair posting order, :mod:`.fifo`) once and number its
+        transfers' tags."""
         known = self._prepared.get(id(plan))
         if known is not None and known[0] is plan:
             return known[1]
@@ -148,6 +150,8 @@ class Executor:
         tags = {(key, m): i * slots + (plan.num_microbatches if m is None else m)
                 for i, key in enumerate(keys) for m in [*range(plan.num_microbatches), None]}
         self.send_bound(plan)  # refuses what the executor cannot run in program order
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            check_posting_order(plan, torch.distributed.get_backend(self.group))
         self._prepared[id(plan)] = (plan, tags)
         return tags
 
