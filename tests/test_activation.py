@@ -25,12 +25,15 @@ print(json.dumps({"loaded": loaded, "enabled": active}))
 
 
 def expected(requested):
-    """What activation enables: core plus the requested features that have patches."""
-    from mindspeed_flow.config import FEATURE_NAMES
+    """What activation enables: core plus the requested features that have patches
+    ("all": what --use-flowtrain turns on, which leaves the allocator off without a plan)."""
+    from mindspeed_flow.config import FlowConfig
     from mindspeed_flow.patches import all_patches
 
     declared = {p.feature for p in all_patches()}
-    requested = set(FEATURE_NAMES) if requested == "all" else set(requested)
+    if requested == "all":
+        requested = FlowConfig.from_argv(["--use-flowtrain"], environ={}).features
+    requested = set(requested)
     return sorted(({"core"} | requested) & declared)
 
 
