@@ -313,6 +313,9 @@ def main() -> None:
     torch.save(captured, rank_path("captures"))
     torch.save(gradients(model), rank_path("grads"))
     result["attention_chain"] = attention_chain()
+    import megatron.core  # which copy ran: the harness must load the one inside MindSpeed-MM
+    result["megatron_package"] = sorted({str(Path(p).resolve()) for p in megatron.__path__}
+                                        | {str(Path(megatron.core.__file__).resolve().parents[1])})
     from mindspeed_flow.activation import current_registry
 
     registry = current_registry()

@@ -28,6 +28,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pinned_upstream import upstream_sources
+
 FP32_GRAD_RTOL = 2e-5
 FP32_LOSS_RTOL = 2e-6
 BF16_GRAD_RTOL = 3e-2
@@ -61,6 +63,9 @@ def test_the_runs_went_through_the_stand_in_kernels_and_the_plugin(runs):
     called in the plain run, and the plugin run really swapped its targets."""
     plain, ours = runs.get("fp32_plain"), runs.get("fp32_flow")
     assert not plain.result["plugin_active"]
+    # Megatron is the source copy inside the MindSpeed-MM tree, as on a cluster (not a wheel).
+    megatron_copy = str((upstream_sources().mindspeed_mm / "megatron").resolve())
+    assert plain.result["megatron_package"] == ours.result["megatron_package"] == [megatron_copy]
     assert KERNELS_ON_THE_PATH <= set(plain.result["standin"]["called"])
     assert "[upstream harness]" in plain.report and "npu_fusion_attention" in plain.report
     statuses = {(f, t): s for f, t, s in ours.result["patches"]}
