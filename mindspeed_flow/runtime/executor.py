@@ -41,7 +41,7 @@ from ..schedule.plan import Plan
 from ..schedule.validate import validate
 from .errors import ActionFailed, where
 from .feed import MicrobatchFeed
-from .fifo import check_posting_order
+from .fifo import channel_groups, check_posting_order, needs_fifo_order
 from .sends import SKIPPED_WHEN_FORWARD_ONLY, deadlock_with_bound, plan_send_bound
 from .timeline import Stamp, Timeline
 from .transport import AbortBoard, PeerFailure, Transport, WaitPolicy, Waiter
@@ -83,10 +83,16 @@ class RuntimeOptions:
             buffers.  An explicit bound may be smaller; it is refused before the first step if
             it can deadlock the plan (:func:`.sends.deadlock_with_bound`).
             :attr:`StepResult.peak_pending_sends` reports what a step held.
+        channel_groups: post each message channel (:func:`.fifo.channel_groups`) on its own
+            process group, so that a backend matching messages in posting order (NCCL, HCCL)
+            needs the order to agree only per pair *and channel*.  ``None`` (default): on for
+            every backend but gloo (which matches by tag and keeps one group); ``True`` forces
+            it on gloo too (to test the routing on CPU).
     """
 
     wait: WaitPolicy = field(default_factory=WaitPolicy)
     max_pending_sends: int | None = None
+    channel_groups: bool | None = None
 
 
 @dataclass
@@ -126,11 +132,12 @@ class Executor:
         self.waiters = (Waiter(f"flow-r{rank}-sends"), Waiter(f"flow-r{rank}-recvs"))
         self._prepared: dict[int, tuple[Plan, dict[tuple[str, int | None], int]]] = {}
         self._send_bounds: dict[tuple[int, bool], tuple[Plan, int]] = {}
+        self.channels: dict[str, Any] = {}
 
     def prepare(self, plan: Plan) -> dict[tuple[str, int | None], int]:
         """Validate ``plan`` (eager semantics, then as the executor runs it, then - on a backend
-        that ignores tags - its per-pair posting order, :mod:`.fifo`) once and number its
-        transfers' tags."""
+        that ignores tags - its posting order per pair and channel, :mod:`.fifo`, creating a
+        process group per channel) once and number its transfers' tags."""
         known = self._prepared.get(id(plan))
         if known is not None and known[0] is plan:
             return known[1]
@@ -151,9 +158,25 @@ class Executor:
                 for i, key in enumerate(keys) for m in [*range(plan.num_microbatches), None]}
         self.send_bound(plan)  # refuses what the executor cannot run in program order
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            check_posting_order(plan, torch.distributed.get_backend(self.group))
+            backend = torch.distributed.get_backend(self.group)
+            per_channel = self.options.channel_groups
+            if per_channel is None:
+                per_channel = needs_fifo_order(backend)
+            check_posting_order(plan, backend, per_channel)
+            if per_channel:
+                self._create_channel_groups(plan)
         self._prepared[id(plan)] = (plan, tags)
         return tags
+
+    def _create_channel_groups(self, plan: Plan) -> None:
+        """One process group per channel of ``plan`` among the ranks that use it, created in
+        the plan's channel order (the same on every rank; only the members call
+        ``new_group``, hence local synchronization), each channel once per executor."""
+        for channel, users in channel_groups(plan):
+            if channel in self.channels or self.rank not in users:
+                continue
+            self.channels[channel] = torch.distributed.new_group(
+                [self.ranks[r] for r in users], use_local_synchronization=True)
 
     def send_bound(self, plan: Plan, forward_only: bool = False) -> int:
         """The send buffers a step of ``plan`` may keep alive: the explicit
@@ -190,7 +213,8 @@ class Executor:
         bound = self.send_bound(plan, forward_only)
         board = AbortBoard(self.store, f"mindspeed_flow/runtime/{self.generation}/abort/{self.steps}")
         self.steps += 1
-        transport = Transport(self.ranks, self.group, self.options.wait, board, self.waiters, bound)
+        transport = Transport(self.ranks, self.group, self.options.wait, board, self.waiters, bound,
+                              self.channels)
         step = _Step(self, plan, tags, transport, forward_step_func, bindings, forward_only,
                      collect_non_loss_data, loss or LossRules())
         program = plan.programs[self.rank]
@@ -425,10 +449,11 @@ class _Step:
     # ------------------------------------------------------------------ transfers
 
     def send(self, a: Action) -> None:
-        self.transport.send(self.outbound(a), a.peer, self.tags[(a.key, a.microbatch)], self.describe(a))
+        self.transport.send(self.outbound(a), a.peer, self.tags[(a.key, a.microbatch)], self.describe(a), a.key)
 
     def recv(self, a: Action) -> None:
-        tensor = self.transport.recv(a.peer, self.tags[(a.key, a.microbatch)], self.device(a), self.describe(a))
+        tensor = self.transport.recv(a.peer, self.tags[(a.key, a.microbatch)], self.device(a), self.describe(a),
+                                     a.key)
         self.inbound(a, tensor)
 
     def sample_meta(self, a: Action) -> dict:
@@ -474,30 +499,33 @@ class _Step:
     def broadcast(self, a: Action) -> None:
         """The group's first rank's parameters to every other replica."""
         params = self.region_params(a)
-        root, tag = a.group[0], self.tags[(f"{a.kind.value}:{a.region}", None)]
+        channel = f"{a.kind.value}:{a.region}"
+        root, tag = a.group[0], self.tags[(channel, None)]
         if self.rank == root:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
             for peer in a.group[1:]:
-                self.transport.send(flat, peer, tag, self.describe(a))
+                self.transport.send(flat, peer, tag, self.describe(a), channel)
             return
-        flat = self.transport.recv(root, tag, params[0].device, self.describe(a))
+        flat = self.transport.recv(root, tag, params[0].device, self.describe(a), channel)
         _scatter(flat, [p.data for p in params])
 
     def reduce(self, a: Action) -> None:
         """Every replica's gradients summed in group order, the sum on every replica."""
         params = self.region_params(a)
-        root, tag = a.group[0], self.tags[(f"{a.kind.value}:{a.region}", None)]
+        channel = f"{a.kind.value}:{a.region}"
+        root, tag = a.group[0], self.tags[(channel, None)]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         if self.rank == root:
             total = None
             for member in a.group:
-                part = flat if member == root else self.transport.recv(member, tag, flat.device, self.describe(a))
+                part = flat if member == root else self.transport.recv(
+                    member, tag, flat.device, self.describe(a), channel)
                 total = part.clone() if total is None else total.add_(part)
             for peer in a.group[1:]:
-                self.transport.send(total, peer, tag, self.describe(a))
+                self.transport.send(total, peer, tag, self.describe(a), channel)
         else:
-            self.transport.send(flat, root, tag, self.describe(a))
-            total = self.transport.recv(root, tag, flat.device, self.describe(a))
+            self.transport.send(flat, root, tag, self.describe(a), channel)
+            total = self.transport.recv(root, tag, flat.device, self.describe(a), channel)
         grads = [torch.empty_like(p) for p in params]
         _scatter(total, grads)
         for p, g in zip(params, grads):

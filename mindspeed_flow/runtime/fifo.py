@@ -7,6 +7,13 @@ pair ``(src, dst)``, the order in which ``src`` posts its sends to ``dst`` equal
 which ``dst`` posts its receives from ``src`` - as the executor posts them
 (:func:`.sends.primitive_ops`: ``BCAST`` / ``REDUCE`` expanded into their messages, a receive
 posted when its action runs, never ahead of time).  Pool puts and gets are not messages.
+
+The runtime can relax the condition by giving each message *channel* its own communicator
+(``RuntimeOptions.channel_groups``): a channel is the plan key a transfer travels under (a
+region boundary's activations, its gradients, a parameter broadcast or gradient reduce of a
+region - the key the executor numbers tags by, without the microbatch).  Messages of
+different channels then never meet in one FIFO, so the order must agree only per
+``(src, dst, channel)``, which the validator's per-key pairing already asks for.
 """
 
 from __future__ import annotations
@@ -31,11 +38,13 @@ class Mismatch:
     n: int
     send: str | None
     recv: str | None
+    channel: str | None = None  # set when the order is checked per channel
 
     def __str__(self) -> str:
         send = f"r{self.src} posts {self.send}" if self.send else f"r{self.src} posts no send"
         recv = f"r{self.dst} posts {self.recv}" if self.recv else f"r{self.dst} posts no receive"
-        return f"r{self.src} -> r{self.dst}: message {self.n + 1}: {send}, {recv}"
+        on = f" on channel {self.channel}" if self.channel is not None else ""
+        return f"r{self.src} -> r{self.dst}{on}: message {self.n + 1}: {send}, {recv}"
 
 
 def needs_fifo_order(backend: str) -> bool:
@@ -44,40 +53,65 @@ def needs_fifo_order(backend: str) -> bool:
     return str(backend).lower() not in TAG_MATCHING_BACKENDS
 
 
-def fifo_mismatches(plan: Plan) -> list[Mismatch]:
-    """Per ordered pair of ranks, the first message where the sender's posting order and the
-    receiver's differ; empty if the plan runs unchanged on a backend that ignores tags."""
-    sends: dict[tuple[int, int], list[tuple]] = {}
-    recvs: dict[tuple[int, int], list[tuple]] = {}
-    for rank in plan.programs:
-        for op in primitive_ops(plan, rank):
-            if op.what not in (SEND, RECV) or op.channel[0] == "pool":
-                continue
-            src, dst = op.channel[0], op.channel[1]
-            side = sends if op.what == SEND else recvs
-            side.setdefault((src, dst), []).append((op.channel, where(rank, op.index, plan.programs[rank][op.index])))
+def channel_key(channel: tuple) -> str:
+    """The channel of a message (an :class:`.sends.Op` channel): the key the executor tags it
+    by, without the microbatch - ``"vit.s0:act"``, or ``"<kind>:<region>"`` for both
+    directions of a parameter broadcast / gradient reduce."""
+    if len(channel) == 4:  # (src, dst, key, microbatch)
+        return channel[2]
+    kind, region = channel[2]
+    return f"{kind.removesuffix('-back')}:{region}"
+
+
+def _messages(plan: Plan) -> list[tuple[int, object, tuple, str]]:
+    """Every point-to-point message end of ``plan``: (rank, SEND | RECV, op channel, where)."""
+    return [(rank, op.what, op.channel, where(rank, op.index, plan.programs[rank][op.index]))
+            for rank in plan.programs for op in primitive_ops(plan, rank)
+            if op.what in (SEND, RECV) and op.channel[0] != "pool"]
+
+
+def channel_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+    """The communicators a plan needs when each channel gets its own: ``(channel, plan ranks
+    that use it)``, sorted by channel - the same list on every rank, so every rank creates
+    the groups in the same order."""
+    users: dict[str, set[int]] = {}
+    for _, _, channel, _ in _messages(plan):
+        users.setdefault(channel_key(channel), set()).update(channel[:2])
+    return [(key, tuple(sorted(ranks))) for key, ranks in sorted(users.items())]
+
+
+def fifo_mismatches(plan: Plan, per_channel: bool = False) -> list[Mismatch]:
+    """Per ordered pair of ranks (and per channel, with ``per_channel``: one communicator per
+    channel), the first message where the sender's posting order and the receiver's differ;
+    empty if the plan runs unchanged on a backend that ignores tags."""
+    sends: dict[tuple, list[tuple]] = {}
+    recvs: dict[tuple, list[tuple]] = {}
+    for _, what, channel, place in _messages(plan):
+        fifo = (channel[0], channel[1], channel_key(channel) if per_channel else None)
+        (sends if what == SEND else recvs).setdefault(fifo, []).append((channel, place))
     found = []
-    for src, dst in sorted(sends.keys() | recvs.keys()):
-        posted, awaited = sends.get((src, dst), []), recvs.get((src, dst), [])
+    for src, dst, key in sorted(sends.keys() | recvs.keys(), key=lambda f: (f[0], f[1], f[2] or "")):
+        posted, awaited = sends.get((src, dst, key), []), recvs.get((src, dst, key), [])
         for n in range(max(len(posted), len(awaited))):
             send = posted[n] if n < len(posted) else (None, None)
             recv = awaited[n] if n < len(awaited) else (None, None)
             if send[0] != recv[0]:
-                found.append(Mismatch(src, dst, n, send[1], recv[1]))
+                found.append(Mismatch(src, dst, n, send[1], recv[1], key))
                 break
     return found
 
 
-def check_posting_order(plan: Plan, backend: str) -> None:
+def check_posting_order(plan: Plan, backend: str, per_channel: bool = False) -> None:
     """Refuse, before the first step, a plan whose messages would mismatch on ``backend``
-    (nothing to check on gloo, which matches by tag).  Raises :class:`.ScheduleError` naming
-    every disagreeing pair and its first mismatching pair of actions."""
+    (nothing to check on gloo, which matches by tag; ``per_channel``: each channel has its
+    own communicator).  Raises :class:`.ScheduleError` naming every disagreeing pair and its
+    first mismatching pair of actions."""
     if not needs_fifo_order(backend):
         return
-    found = fifo_mismatches(plan)
+    found = fifo_mismatches(plan, per_channel)
     if found:
+        how = "per channel" if per_channel else "in one communicator per pair"
         raise ScheduleError(
             f"backend {backend!r} matches point-to-point messages in posting order, not by tag, "
-            f"and this plan's sends and receives are posted in different orders: "
-            f"{'; '.join(map(str, found))}. Such a plan (e.g. an eager <transpose, 1f1b> plan) "
-            f"cannot run on {backend} yet; it can run on gloo")
+            f"and this plan's sends and receives are posted in different orders {how}: "
+            f"{'; '.join(map(str, found))}. Such a plan cannot run on {backend}; it can run on gloo")

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -160,6 +160,9 @@ class Transport:
     Args:
         ranks: plan rank -> global rank (Megatron's pipeline group ranks).
         group: the process group holding them (``None``: the default group).
+        channels: channel -> its own process group (:func:`.fifo.channel_groups`), for a
+            backend that matches messages in posting order; a transfer on a channel not
+            listed (or with ``None``: every transfer) goes on ``group``.
         policy, board: see :func:`wait`.
         waiters: (sends, receives) :class:`Waiter` threads, kept by the executor.
         max_pending_sends: back-pressure: with this many tensors' sends outstanding, the
@@ -168,9 +171,11 @@ class Transport:
     """
 
     def __init__(self, ranks: Sequence[int], group: Any, policy: WaitPolicy, board: AbortBoard,
-                 waiters: tuple[Waiter, Waiter], max_pending_sends: int | None = None) -> None:
+                 waiters: tuple[Waiter, Waiter], max_pending_sends: int | None = None,
+                 channels: Mapping[str, Any] | None = None) -> None:
         self.ranks = list(ranks)
         self.group = group
+        self.channels = dict(channels or {})
         self.policy = policy
         self.board = board
         self.send_waiter, self.recv_waiter = waiters
@@ -178,34 +183,39 @@ class Transport:
         self.pending: deque[Pending] = deque()
         self.peak_pending = 0
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: Callable[[], str]) -> None:
-        """Post ``tensor`` to plan rank ``peer`` without waiting (eager)."""
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: Callable[[], str],
+             channel: str | None = None) -> None:
+        """Post ``tensor`` to plan rank ``peer`` on ``channel``'s group without waiting (eager)."""
         data = tensor.detach().contiguous()
         meta = header(data)
         dst = self.ranks[peer]
         while self.max_pending_sends is not None and len(self.pending) >= 2 * self.max_pending_sends:
             wait(self.pending.popleft(), self.policy, self.board)  # a tensor is two messages
         for buffer, t in ((meta, 2 * tag), (data, 2 * tag + 1)):
-            work = self._post(dist.isend, buffer, dst, t, what)
+            work = self._post(dist.isend, buffer, dst, t, what, channel)
             self.pending.append(self.send_waiter.submit(work, (buffer,), what))
         self.peak_pending = max(self.peak_pending, len(self.pending) // 2)
 
-    def recv(self, peer: int, tag: int, device: torch.device, what: Callable[[], str]) -> torch.Tensor:
-        """Block until plan rank ``peer``'s tensor with ``tag`` has arrived; return it."""
+    def recv(self, peer: int, tag: int, device: torch.device, what: Callable[[], str],
+             channel: str | None = None) -> torch.Tensor:
+        """Block until plan rank ``peer``'s tensor with ``tag`` has arrived on ``channel``'s
+        group; return it."""
         src = self.ranks[peer]
         meta = torch.empty(_HEADER, dtype=torch.int64)
-        work = self._post(dist.irecv, meta, src, 2 * tag, what)
+        work = self._post(dist.irecv, meta, src, 2 * tag, what, channel)
         wait(self.recv_waiter.submit(work, (), what), self.policy, self.board)
         data = empty_from_header(meta, device)
-        work = self._post(dist.irecv, data, src, 2 * tag + 1, what)
+        work = self._post(dist.irecv, data, src, 2 * tag + 1, what, channel)
         wait(self.recv_waiter.submit(work, (), what), self.policy, self.board)
         return data
 
-    def _post(self, post: Callable, buffer: torch.Tensor, peer: int, tag: int, what: Callable[[], str]) -> Any:
-        """``isend``/``irecv``; a connection that is already closed (the peer stopped after
-        reporting a failure, or died) fails with the peer's report when there is one."""
+    def _post(self, post: Callable, buffer: torch.Tensor, peer: int, tag: int, what: Callable[[], str],
+              channel: str | None) -> Any:
+        """``isend``/``irecv`` on ``channel``'s group; a connection that is already closed (the
+        peer stopped after reporting a failure, or died) fails with the peer's report when
+        there is one."""
         try:
-            return post(buffer, peer, group=self.group, tag=tag)
+            return post(buffer, peer, group=self.channels.get(channel, self.group), tag=tag)
         except RuntimeError as exc:
             reported = self.board.read()
             cause = reported or (f"the transport failed ({type(exc).__name__}: {str(exc).strip()[:200]}); "
