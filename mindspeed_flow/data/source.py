@@ -7,10 +7,12 @@ contents).  A shard is a JSON Lines file (``.jsonl``, one record per line) or a 
 file order) and a place ``file:line`` (JSON Lines) or ``file[item]`` (JSON list) that
 errors and logs name; the place is also the sample id.
 
-Only the index is built when the corpus opens: the byte offset of every non-blank line of
-a JSON Lines shard, the item count of a JSON list.  Records are parsed when a worker reads
-them, so each DP rank parses only the records of its own shard (a JSON list file is
-parsed whole by each process that reads from it: prefer JSON Lines for large corpora).
+Only the index is built when the corpus opens: the byte range of every non-blank line of
+a JSON Lines shard (loaded from its on-disk index, :mod:`line_index`, once one process has
+built it), the item count of a JSON list.  Records are read and parsed when a worker needs
+them, so each DP rank reads only the bytes of its own records of a JSON Lines shard (a
+JSON list file is read and parsed whole by each process that reads from it: prefer JSON
+Lines for large corpora).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from mindspeed_flow.data.line_index import load_or_build
 
 SHARD_SUFFIXES = (".jsonl", ".json")
 DEMO_TOKENIZER_FILE = "flow_demo_tokenizer.json"  # never read as a shard
@@ -35,6 +39,7 @@ class MalformedRecord(ValueError):
 class Shard:
     path: Path
     offsets: np.ndarray | None  # byte offset per record (JSON Lines), None for a JSON list
+    ends: np.ndarray | None  # byte offset just past each record's line (JSON Lines)
     lines: np.ndarray | None  # 1-based line number per record (JSON Lines)
     count: int
 
@@ -95,9 +100,11 @@ class Corpus:
         if shard.offsets is None:
             record = self._json_list(shard)[local]
         else:
-            with open(shard.path, "rb") as f:
-                f.seek(int(shard.offsets[local]))
-                record = _parse(f.readline(), shard.place(local), dict, "a record")
+            start, end = int(shard.offsets[local]), int(shard.ends[local])
+            with open(shard.path, "rb", buffering=0) as f:  # unbuffered: no bytes beyond this record
+                f.seek(start)
+                raw = f.read(end - start)
+            record = _parse(raw, shard.place(local), dict, "a record")
         if not isinstance(record, dict):
             raise MalformedRecord(f"{shard.place(local)}: a record must be a JSON object, got {type(record).__name__}")
         return record
@@ -132,13 +139,6 @@ def _load_json_list(path: Path) -> list[Any]:
 
 def _index(path: Path) -> Shard:
     if path.suffix == ".json":
-        return Shard(path, None, None, len(_load_json_list(path)))
-    offsets, lines = [], []
-    position = 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if raw.strip():
-                offsets.append(position)
-                lines.append(number)
-            position += len(raw)
-    return Shard(path, np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64), len(offsets))
+        return Shard(path, None, None, None, len(_load_json_list(path)))
+    index = load_or_build(path)
+    return Shard(path, index.starts, index.ends, index.lines, len(index.starts))
