@@ -4,15 +4,16 @@ config (checked against an exhaustive loop that composes and simulates every con
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from mindspeed_flow.allocator import InfeasibleError, Workload, solve
 from mindspeed_flow.allocator.baselines import disttrain_like, megatron_uniform
-from mindspeed_flow.allocator.colocated import colocated_split
+from mindspeed_flow.allocator.colocated import colocated_memory, colocated_split, layer_caps, planned_live
 
-from test_allocator_solve import colocated_rates, random_instance
+from test_allocator_solve import colocated_rates, exhaustive_split, random_instance
 
 
 def test_colocated_split_puts_the_vit_on_stage_0_and_balances_it():
@@ -54,3 +55,33 @@ def test_disttrain_like_never_beats_the_plan():
             assert heuristic.devices <= cluster.devices
             compared += 1
     assert compared >= 15
+
+
+def test_memory_capped_split_is_the_fastest_fitting_one_where_the_balanced_one_does_not_fit():
+    """Where the time-balanced split overflows a stage, the capped split is found and is the
+    exhaustive enumeration's best fitting split; everywhere else both agree too."""
+    rng = random.Random(11)
+    rescued = compared = 0
+    for _ in range(60):
+        model, cluster, proxy, workload = random_instance(rng)
+        enc, bb = model.encoder, model.backbone
+        limit = cluster.memory_limit
+        for tp, pp, mbs in itertools.product((1, 2), (2, 3, 4), (1, 2)):
+            if pp > bb.layers or workload.global_batch % mbs:
+                continue
+            vit = proxy.region_cost("encoder", enc, tp, mbs, enc.layers).forward
+            layer = proxy.backbone_costs(bb, tp, mbs)[0].forward / bb.layers
+            balanced = colocated_split(vit, layer, bb.layers, enc.layers, pp)
+            for dp in (1, 2):
+                microbatches = workload.global_batch // (dp * mbs)
+                caps = layer_caps(model, workload, limit, tp, dp, mbs, pp, microbatches)
+                found = colocated_split(vit, layer, bb.layers, enc.layers, pp, caps)
+                assert found == exhaustive_split(model, workload, limit, tp, dp, mbs, pp, vit, layer)
+                compared += 1
+                live = planned_live(pp, microbatches)
+                if found is not None and colocated_memory(model, workload, tp, dp, mbs, balanced,
+                                                          live).total > limit:
+                    assert found != balanced
+                    assert colocated_memory(model, workload, tp, dp, mbs, found, live).total <= limit
+                    rescued += 1
+    assert compared >= 500 and rescued >= 5  # the capped branch really exercised

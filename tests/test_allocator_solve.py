@@ -16,7 +16,7 @@ import pytest
 
 from mindspeed_flow.allocator import (ClusterSpec, InfeasibleError, ModelSpec, ModuleSpec, Profile,
                                       ProfilePoint, ProxyModel, Workload, solve)
-from mindspeed_flow.allocator.colocated import colocated_split
+from mindspeed_flow.allocator.colocated import planned_live
 from mindspeed_flow.allocator.memory import stage_memory
 from mindspeed_flow.allocator.specs import GIB
 from mindspeed_flow.schedule import CostTable, OneFOneB, Region, compose, simulate
@@ -52,6 +52,39 @@ def random_instance(rng: random.Random):
     return ModelSpec(enc, bb), cluster, ProxyModel(synthetic_profile(rng), cluster), workload
 
 
+def exhaustive_split(model: ModelSpec, workload: Workload, limit: float, tp: int, dp: int, mbs: int, pp: int,
+                     vit_forward: float, layer_forward: float) -> tuple[int, ...] | None:
+    """Every split ``[ViT + k, per, ..., per, last]`` (each LLM stage >= 1 layer) enumerated,
+    each stage's memory estimated here with the simulator's microbatch visits (``planned_live``);
+    of those that fit, the fastest slowest stage (forward), ties to smaller ``k``, then to
+    the more even rest, then the larger ``per``."""
+    enc, bb = model.encoder, model.backbone
+    microbatches = workload.global_batch // (dp * mbs)
+    opt = workload.distributed_optimizer
+    best = None
+    for k in range(0, bb.layers + 1 if pp == 1 else bb.layers - pp + 2):
+        rest = bb.layers - k
+        pers = [0] if pp <= 2 else range(1, rest)
+        for per in pers:
+            llm = (k,) + (per,) * (pp - 2) + (rest - per * (pp - 2),) if pp > 1 else (k,)
+            if pp == 1 and k != bb.layers or pp > 1 and llm[-1] < 1:
+                continue
+            fits = True
+            for s, (count, live) in enumerate(zip(llm, planned_live(pp, microbatches))):
+                total = stage_memory(bb, layers=count, tp=tp, dp=dp, samples=mbs, live=live, first=s == 0,
+                                     last=s == pp - 1, distributed_optimizer=opt).total
+                if s == 0:
+                    total += stage_memory(enc, layers=enc.layers, tp=tp, dp=dp, samples=mbs,
+                                          live=live if enc.trainable else 0, first=False, last=False,
+                                          distributed_optimizer=opt).total
+                fits = fits and total <= limit
+            if fits:
+                heaviest = max(llm[1:], default=0)
+                key = (max(vit_forward + k * layer_forward, heaviest * layer_forward), k, heaviest, -per)
+                best = min(best, (key, llm), key=lambda b: b[0]) if best else (key, llm)
+    return None if best is None else (enc.layers + best[1][0],) + best[1][1:]
+
+
 def colocated_rates(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel,
                     workload: Workload) -> list[tuple[float, int]]:
     """(rate, devices) of every co-located config that fits, each composed and simulated
@@ -67,11 +100,14 @@ def colocated_rates(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel,
             for mbs in workload.micro_batch_choices:
                 vit = proxy.region_cost("encoder", enc, tp, mbs, enc.layers)
                 layers, head = proxy.backbone_costs(bb, tp, mbs)
-                split = colocated_split(vit.forward, layers.forward / bb.layers, bb.layers, enc.layers, pp)
-                skeleton = OneFOneB(stages=pp, layers=split[:-1] + (split[-1] + 1,))
                 for dp in range(1, cluster.devices // (tp * pp) + 1):
                     if workload.global_batch % (dp * mbs):
                         continue
+                    split = exhaustive_split(model, workload, cluster.memory_limit, tp, dp, mbs, pp,
+                                             vit.forward, layers.forward / bb.layers)
+                    if split is None:
+                        continue
+                    skeleton = OneFOneB(stages=pp, layers=split[:-1] + (split[-1] + 1,))
                     plan = compose([Region("v", enc.layers, skeleton, trainable=enc.trainable),
                                     Region("l", bb.layers, skeleton), Region("h", 1, skeleton)],
                                    workload.global_batch // (dp * mbs))
@@ -217,7 +253,10 @@ def test_memory_pruning_removes_exactly_the_configs_that_do_not_fit():
     tight_plan = solve(model, tight, tight_proxy, workload)
     assert tight_plan.predicted.backbone_memory_gib * GIB <= tight.memory_limit
     assert tight_plan.backbone != roomy_plan.backbone  # the roomy choice no longer fits
-    assert tight_plan.throughput <= roomy_plan.throughput
+    # The co-located split is the forward-balanced one within what memory allows, so a
+    # tighter limit can pick a split the simulator finds marginally faster (not better
+    # balanced by forward): no more than that.
+    assert tight_plan.throughput <= roomy_plan.throughput * (1 + 1e-3)
     expected = brute_force(model, tight, tight_proxy, workload)
     assert tight_plan.throughput == pytest.approx(expected[0], rel=1e-6)
     for alt in tight_plan.alternatives:

@@ -2,9 +2,10 @@
 style, with the ViT inside pipeline stage 0 of the LLM's 1F1B.
 
 Every device runs the same TP; the stages hold ``[ViT + k LLM layers, n, ..., n, last]``
-with ``k`` chosen per shape to balance stage 0 against the others by their per-layer times
-(the split MindSpeed-MM users tune by hand, like 72B's ``[6, 11, ..., 8]``), and the other
-stages equal except the last, so that Megatron's first/last-stage flags can say it.  The
+with ``k`` chosen per config to balance stage 0 against the others by their per-layer
+times (the split MindSpeed-MM users tune by hand, like 72B's ``[6, 11, ..., 8]``) within
+what each stage's memory holds, and the other stages equal except the last, so that
+Megatron's first/last-stage flags can say it.  The
 encoder produces exactly what the backbone consumes (one pipeline does both), so such a
 candidate has no mismatch.  They are the ``megatron-uniform`` baseline of the benchmark
 and, with ``"colocated"`` in ``Workload.placements``, candidates of the MILP.
@@ -24,26 +25,34 @@ from .specs import ClusterSpec, ModelSpec, Workload
 VIT_REGION = "vit"
 
 
-def colocated_split(vit_forward: float, layer_forward: float, layers: int, vit_layers: int,
-                    stages: int) -> tuple[int, ...]:
+def colocated_split(vit_forward: float, layer_forward: float, layers: int, vit_layers: int, stages: int,
+                    caps: tuple[int, int, int] | None = None) -> tuple[int, ...] | None:
     """Layers per stage, counted over ViT + LLM as MindSpeed-MM's ``pipeline_num_layers``
-    lists add up: stage 0 = ViT + ``k`` LLM layers, the middle stages ``ceil(rest / (stages
-    - 1))`` each and the last what remains, ``k`` minimising the slowest stage's forward."""
+    lists add up: stage 0 = ViT + ``k`` LLM layers, the middle stages ``per`` each and the
+    last what remains (at least one).  ``caps`` bounds the LLM layers of stage 0, of each
+    middle stage and of the last stage (what fits their memory, :func:`layer_caps`); among
+    the splits within them, the one with the fastest slowest stage (forward), ties to the
+    smaller ``k``, then to the more even rest (ceil over floor), so that without caps the
+    rest is ``ceil(rest / (stages - 1))`` per middle stage as before.  None when no split
+    fits the caps."""
+    cap0, cap_mid, cap_last = caps or (layers, layers, layers)
     if stages == 1:
-        return (vit_layers + layers,)
-
-    def rest_split(k: int) -> tuple[int, ...]:
+        return (vit_layers + layers,) if layers <= min(cap0, cap_last) else None
+    middle = stages - 2
+    best: tuple[float, tuple[int, ...]] | None = None
+    for k in range(0, min(cap0, layers - stages + 1) + 1):
         rest = layers - k
-        per = -(-rest // (stages - 1))
-        if rest - per * (stages - 2) < 1:
-            per = rest // (stages - 1)
-        return (per,) * (stages - 2) + (rest - per * (stages - 2),)
-
-    def slowest(k: int) -> float:
-        return max(vit_forward + k * layer_forward, max(rest_split(k)) * layer_forward)
-
-    k = min(range(0, layers - stages + 2), key=slowest)
-    return (vit_layers + k,) + rest_split(k)
+        low = max(1, -(-(rest - cap_last) // middle)) if middle else 0
+        high = min(cap_mid, (rest - 1) // middle) if middle else 0
+        if low > high or (middle == 0 and not 1 <= rest <= cap_last):
+            continue
+        # max(per, last) is convex in per: its integer minimum is next to rest / (stages - 1).
+        pers = {min(max(q, low), high) for q in (rest // (middle + 1), -(-rest // (middle + 1)))}
+        per = min(pers, key=lambda q: (max(q, rest - middle * q), -q))
+        slowest = max(vit_forward + k * layer_forward, max(per, rest - middle * per) * layer_forward)
+        if best is None or slowest < best[0]:
+            best = (slowest, (vit_layers + k,) + (per,) * middle + (rest - middle * per,))
+    return None if best is None else best[1]
 
 
 @dataclass(frozen=True)
@@ -84,22 +93,56 @@ class ColocatedEstimate:
         return self.tp * self.pp * self.dp
 
 
-def colocated_memory(model: ModelSpec, workload: Workload, tp: int, dp: int, mbs: int, split: tuple[int, ...],
-                     live: tuple[int, ...]) -> MemoryEstimate:
-    """The fullest stage: stage 0 holds the ViT and the embedding besides its LLM layers."""
+def stage_memory(model: ModelSpec, workload: Workload, tp: int, dp: int, mbs: int, stage: int, stages: int,
+                 llm_layers: int, live: int) -> MemoryEstimate:
+    """One co-located stage: stage 0 holds the ViT and the embedding besides its LLM layers."""
     enc, bb = model.encoder, model.backbone
     opt = workload.distributed_optimizer
-    worst = MemoryEstimate(0.0, 0.0)
-    for s, count in enumerate(split):
-        vit_layers = enc.layers if s == 0 else 0
-        llm = memory.stage_memory(bb, layers=count - vit_layers, tp=tp, dp=dp, samples=mbs, live=live[s],
-                                  first=s == 0, last=s == len(split) - 1, distributed_optimizer=opt)
-        vit = memory.stage_memory(enc, layers=vit_layers, tp=tp, dp=dp, samples=mbs,
-                                  live=live[s] if enc.trainable else 0, first=False, last=False,
-                                  distributed_optimizer=opt) if vit_layers else MemoryEstimate(0.0, 0.0)
-        both = MemoryEstimate(llm.states + vit.states, llm.activations + vit.activations)
-        worst = max(worst, both, key=lambda m: m.total)
-    return worst
+    llm = memory.stage_memory(bb, layers=llm_layers, tp=tp, dp=dp, samples=mbs, live=live, first=stage == 0,
+                              last=stage == stages - 1, distributed_optimizer=opt)
+    if stage:
+        return llm
+    vit = memory.stage_memory(enc, layers=enc.layers, tp=tp, dp=dp, samples=mbs, live=live if enc.trainable else 0,
+                              first=False, last=False, distributed_optimizer=opt)
+    return MemoryEstimate(llm.states + vit.states, llm.activations + vit.activations)
+
+
+def colocated_memory(model: ModelSpec, workload: Workload, tp: int, dp: int, mbs: int, split: tuple[int, ...],
+                     live: tuple[int, ...]) -> MemoryEstimate:
+    """The fullest stage of ``split`` (ViT + LLM layers per stage)."""
+    llm_split = (split[0] - model.encoder.layers,) + split[1:]
+    return max((stage_memory(model, workload, tp, dp, mbs, s, len(split), count, live[s])
+                for s, count in enumerate(llm_split)), key=lambda m: m.total)
+
+
+def planned_live(stages: int, microbatches: int) -> tuple[int, ...]:
+    """Microbatch visits per stage as the simulator's ``peak_live`` counts them for a
+    co-located 1F1B (``min(stages - s, microbatches)`` microbatches on stage ``s``, each
+    counted once per region the stage holds: ViT and LLM on stage 0, LLM and head on the
+    last), so that the split chosen before simulating passes the memory check after it."""
+    live = [min(stages - s, microbatches) for s in range(stages)]
+    live[0] *= 2
+    live[-1] *= 3 if stages == 1 else 2
+    return tuple(live)
+
+
+def layer_caps(model: ModelSpec, workload: Workload, limit: float, tp: int, dp: int, mbs: int, stages: int,
+               microbatches: int) -> tuple[int, int, int]:
+    """The most LLM layers stage 0, a middle stage and the last stage can each hold within
+    ``limit`` with :func:`planned_live` in flight (a middle stage's cap is stage 1's, the
+    fullest of them).  Memory grows linearly with the layers, so each cap is read off two
+    estimates, then checked; -1 when not even the stage's fixed part fits."""
+    live = planned_live(stages, microbatches)
+
+    def cap(stage: int) -> int:
+        base = stage_memory(model, workload, tp, dp, mbs, stage, stages, 0, live[stage]).total
+        per_layer = stage_memory(model, workload, tp, dp, mbs, stage, stages, 1, live[stage]).total - base
+        n = model.backbone.layers if per_layer <= 0 else int((limit - base) // per_layer)
+        while n >= 0 and stage_memory(model, workload, tp, dp, mbs, stage, stages, n, live[stage]).total > limit:
+            n -= 1  # rounding of the division
+        return min(n, model.backbone.layers)
+
+    return cap(0), cap(min(1, stages - 1)), cap(stages - 1)
 
 
 def _layout(model: ModelSpec, split: tuple[int, ...]) -> PipelineLayout:
@@ -129,18 +172,23 @@ def colocated_pool(model: ModelSpec, cluster: ClusterSpec, workload: Workload, p
                     continue
                 vit = proxy.region_cost("encoder", enc, tp, mbs, enc.layers)
                 costs = (vit,) + proxy.backbone_costs(bb, tp, mbs)
-                split = colocated_split(vit.forward, costs[1].forward / bb.layers, bb.layers, enc.layers, pp)
-                stage0 = enc.params + (split[0] - enc.layers) * bb.layer_params + bb.vocab * bb.hidden
+                layer_forward = costs[1].forward / bb.layers
+                balanced = colocated_split(vit.forward, layer_forward, bb.layers, enc.layers, pp)
                 for dp in divisors(workload.global_batch // mbs):
                     if tp * pp * dp > cluster.devices:
                         break
-                    floor = colocated_memory(model, workload, tp, dp, mbs, split, (1,) * pp)
-                    if floor.total > cluster.memory_limit:
+                    microbatches = workload.global_batch // (dp * mbs)
+                    caps = layer_caps(model, workload, cluster.memory_limit, tp, dp, mbs, pp, microbatches)
+                    split = colocated_split(vit.forward, layer_forward, bb.layers, enc.layers, pp, caps)
+                    if split is None:  # what the time-balanced split would need
+                        needed = colocated_memory(model, workload, tp, dp, mbs, balanced,
+                                                  planned_live(pp, microbatches))
                         rejections.append(Rejection("colocated", f"tp {tp} pp {pp} mbs {mbs} dp {dp}", "memory",
-                                                    floor.total, cluster.memory_limit, "GiB", at_least=True))
+                                                    needed.total, cluster.memory_limit, "GiB"))
                         continue
+                    stage0 = enc.params + (split[0] - enc.layers) * bb.layer_params + bb.vocab * bb.hidden
                     reduce = proxy.gradient_reduce_seconds(stage0, tp, dp)
-                    shortest = step_lower_bound(_layout(model, split), costs, workload.global_batch // (dp * mbs))
+                    shortest = step_lower_bound(_layout(model, split), costs, microbatches)
                     pending.append(PendingColocated(tp, pp, mbs, dp, split, reduce,
                                                     workload.global_batch / (shortest + reduce)))
 
