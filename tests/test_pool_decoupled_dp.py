@@ -75,22 +75,28 @@ def _data_parallel(rank, world_size, state, name):
         shims.remove()
 
 
-@pytest.fixture(scope="module")
-def runs():
+def launch_against_reference(worker, world_size: int, name: str, pool_names: list[str]):
+    """The single-process reference, then ``worker(rank, world_size, reference_weights,
+    name)`` on ``world_size`` gloo ranks; the shm pools ``pool_names`` are destroyed after."""
     from megatron_cpu_harness import launch
     from test_pool_decoupled_vlm import _reference
 
     from mindspeed_flow.pool.shm import destroy
 
     (reference,) = launch(_reference, 1, timeout_s=180)
-    name = f"vlmdp{os.getpid()}"
     try:
-        ranks = launch(_data_parallel, LAYOUT.world_size, reference[0], name, timeout_s=300)
+        ranks = launch(worker, world_size, reference[0], name, timeout_s=300)
     finally:
-        for replica in range(LAYOUT.backbone_dp):
-            destroy(f"{name}-b{replica}")
+        for pool_name in pool_names:
+            destroy(pool_name)
     return reference, ranks
 
+
+@pytest.fixture(scope="module")
+def runs():
+    name = f"vlmdp{os.getpid()}"
+    return launch_against_reference(_data_parallel, LAYOUT.world_size, name,
+                                    [f"{name}-b{replica}" for replica in range(LAYOUT.backbone_dp)])
 
 def test_layout_places_replicas_and_groups():
     assert LAYOUT.world_size == 6
