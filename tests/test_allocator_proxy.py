@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_flow.allocator import (AllocatorError, ClusterSpec, ModuleSpec, Profile, ProfilePoint,
+from mindspeed_flow.allocator import (AllocatorError, ClusterSpec, ModelSpec, ModuleSpec, Profile, ProfilePoint,
                                       ProxyModel, Workload)
-from mindspeed_flow.allocator.pipeline import backbone_layout, composed, pipeline_step, steady_line
+from mindspeed_flow.allocator.colocated import colocated_memory, planned_live
+from mindspeed_flow.allocator.memory import layer_activation_bytes
+from mindspeed_flow.allocator.pipeline import HEAD_REGION, LAYERS_REGION, PipelineLayout, backbone_layout, composed, pipeline_step, steady_line
 from mindspeed_flow.schedule import CostTable, Link, OneFOneB, Region, RegionCost, compose, simulate, validate
 
 from test_allocator_solve import synthetic_profile
@@ -64,7 +66,7 @@ def test_long_steps_extend_the_simulated_line_exactly(proxy):
         direct = _simulated_directly(proxy, 2, pp, 1, microbatches)
         assert extended.step_time == pytest.approx(direct.step_time, rel=1e-12)
         assert extended.bubble_fraction == pytest.approx(direct.bubble_fraction, rel=1e-9)
-        assert extended.peak_live == tuple(direct.peak_live[r] for r in sorted(direct.peak_live))
+        assert extended.peak_live == tuple(min(pp - s, microbatches) for s in range(pp))  # 1F1B, by hand
 
 
 def test_transfer_bound_pipelines_are_simulated_in_full():
@@ -214,3 +216,28 @@ def test_tp_points_without_a_hidden_size_or_link_are_named():
         ProxyModel(Profile("t", 1.0, points, tp_link_gbps=1.0), CLUSTER)
     with pytest.raises(AllocatorError, match="tp > 1 points but no tp_link_gbps"):
         Profile("t", 1.0, points)
+
+
+def test_memory_charges_each_part_once_per_microbatch_in_flight(proxy):
+    """Co-located 1F1B over 4 stages, 8 microbatches: stage 0 holds the ViT and 2 LLM
+    layers, the last 3 LLM layers and the head.  By hand, stage ``s`` holds ``4 - s``
+    microbatches at the peak, and each part's activations are charged that many times,
+    not once per region visit (which would double stage 0 and the last stage)."""
+    vit = ModuleSpec(layers=4, hidden=1024, heads=16, ffn=4096, query_groups=16, tokens_per_sample=256)
+    model = ModelSpec(vit, BACKBONE)
+    split = (vit.layers + 2, 10, 9, 3)  # ViT + LLM layers per stage
+    layout = PipelineLayout((("vit", vit.layers, True), (LAYERS_REGION, BACKBONE.layers, True),
+                             (HEAD_REGION, 1, True)), split[:-1] + (split[-1] + 1,))
+    costs = (proxy.region_cost("encoder", vit, 2, 1, vit.layers),) + proxy.backbone_costs(BACKBONE, 2, 1)
+    step = pipeline_step(layout, 8, costs, proxy.intra)
+    assert step.peak_live == (4, 3, 2, 1) == planned_live(4, 8)
+    workload = Workload(global_batch=8)
+    llm_layer, vit_layer = (layer_activation_bytes(m, 1, 2) for m in (BACKBONE, vit))
+    logits = 4 * BACKBONE.tokens_per_sample * BACKBONE.vocab / 2
+    for stage, expected in ((0, 4 * (vit.layers * vit_layer + 2 * llm_layer)), (3, 1 * 3 * llm_layer + logits)):
+        only = tuple(layers if s == stage else 0 for s, layers in enumerate((2, 10, 9, 3)))
+        charged = colocated_memory(model, workload, 2, 1, 1, (vit.layers + only[0],) + only[1:], step.peak_live)
+        assert charged.activations == pytest.approx(expected, rel=1e-12)
+    est = proxy.backbone(BACKBONE, workload, 2, 4, 1, 1)  # decoupled: head on the last stage
+    assert proxy.pipeline(BACKBONE, 2, 4, 1, 8).peak_live == (4, 3, 2, 1)
+    assert est.memory.activations == pytest.approx(4 * 6 * llm_layer, rel=1e-12)

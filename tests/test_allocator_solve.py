@@ -55,7 +55,7 @@ def random_instance(rng: random.Random):
 def exhaustive_split(model: ModelSpec, workload: Workload, limit: float, tp: int, dp: int, mbs: int, pp: int,
                      vit_forward: float, layer_forward: float) -> tuple[int, ...] | None:
     """Every split ``[ViT + k, per, ..., per, last]`` (each LLM stage >= 1 layer) enumerated,
-    each stage's memory estimated here with the simulator's microbatch visits (``planned_live``);
+    each stage's memory estimated here with the microbatches in flight (``planned_live``);
     of those that fit, the fastest slowest stage (forward), ties to smaller ``k``, then to
     the more even rest, then the larger ``per``."""
     enc, bb = model.encoder, model.backbone
@@ -113,7 +113,13 @@ def colocated_rates(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel,
                                    workload.global_batch // (dp * mbs))
                     result = simulate(plan, CostTable({"v": vit, "l": layers, "h": head},
                                                       link=proxy.stage_link(tp, pp)))
-                    live = [result.peak_live[r] for r in sorted(result.peak_live)]
+                    # peak_live counts region visits; each microbatch in flight holds all the
+                    # trainable regions whose visits sit on the rank (read off microbatch 0's path)
+                    held = {r: {v.region for v in plan.paths[0]
+                                if v.rank == r and v.backward and v.backward_rank is None}
+                            for r in result.peak_live}
+                    live = [math.ceil(result.peak_live[r] / len(held[r])) if held[r] else 0
+                            for r in sorted(result.peak_live)]
                     worst = 0.0
                     for stage, count in enumerate(split):
                         own = enc.layers if stage == 0 else 0

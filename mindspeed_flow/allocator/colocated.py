@@ -116,14 +116,11 @@ def colocated_memory(model: ModelSpec, workload: Workload, tp: int, dp: int, mbs
 
 
 def planned_live(stages: int, microbatches: int) -> tuple[int, ...]:
-    """Microbatch visits per stage as the simulator's ``peak_live`` counts them for a
-    co-located 1F1B (``min(stages - s, microbatches)`` microbatches on stage ``s``, each
-    counted once per region the stage holds: ViT and LLM on stage 0, LLM and head on the
-    last), so that the split chosen before simulating passes the memory check after it."""
-    live = [min(stages - s, microbatches) for s in range(stages)]
-    live[0] *= 2
-    live[-1] *= 3 if stages == 1 else 2
-    return tuple(live)
+    """Microbatches in flight per stage of a co-located 1F1B, ``min(stages - s,
+    microbatches)`` on stage ``s``: what :func:`.pipeline.in_flight` derives from the
+    simulator for these layouts, so that the split chosen before simulating passes the
+    memory check after it."""
+    return tuple(min(stages - s, microbatches) for s in range(stages))
 
 
 def layer_caps(model: ModelSpec, workload: Workload, limit: float, tp: int, dp: int, mbs: int, stages: int,

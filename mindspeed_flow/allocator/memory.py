@@ -7,7 +7,8 @@ over data parallel ranks with the distributed optimizer.  A frozen module keeps 
 weights only.  Activations per layer and microbatch are ``34 * tokens * hidden / tp``
 bytes (Korthikanti et al. 2022 with sequence parallelism and flash attention, so no
 ``tokens^2`` term); how many microbatches a rank holds comes from the schedule simulator's
-``peak_live``, not from a formula.
+``peak_live`` (as microbatches in flight, :func:`.pipeline.in_flight`, so each part of a
+stage is charged once per microbatch), not from a formula.
 """
 
 from __future__ import annotations

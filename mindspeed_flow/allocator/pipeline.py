@@ -42,7 +42,8 @@ class PipelineLayout:
 
 @dataclass(frozen=True)
 class PipelineStep:
-    """One simulated (or extended) step: time, idle share, microbatches held per stage."""
+    """One simulated (or extended) step: time, idle share, and ``peak_live``: the most
+    microbatches whose activations a stage holds at once (see :func:`in_flight`)."""
 
     step_time: float
     bubble_fraction: float
@@ -67,6 +68,34 @@ def composed(layout: PipelineLayout, microbatches: int) -> Plan:
                     for name, layers, trainable in layout.regions], microbatches)
 
 
+def stored_regions(layout: PipelineLayout) -> tuple[int, ...]:
+    """Per stage, how many trainable regions (ViT, LLM layers, head) have layers on it:
+    the regions whose activations the stage keeps for a backward."""
+    out, start = [], 0
+    for count in layout.split:
+        held, taken = 0, 0
+        for _, layers, trainable in layout.regions:
+            held += int(trainable and max(start, taken) < min(start + count, taken + layers))
+            taken += layers
+        out.append(held)
+        start += count
+    return tuple(out)
+
+
+def in_flight(layout: PipelineLayout, peak_visits: tuple[int, ...]) -> tuple[int, ...]:
+    """Microbatches in flight per stage from the simulator's ``peak_live``, which counts
+    region *visits*: a microbatch on a stage holding ViT and LLM layers (or LLM layers and
+    the head) is two visits.  The memory model charges every part of a stage its own
+    per-microbatch activations times the microbatches in flight, so each part must be
+    counted once per microbatch, not once per visit.  A 1F1B stage runs a microbatch's
+    region forwards back to back and frees them in one backward, so at its peak every
+    microbatch in flight holds all ``r`` stored regions of the stage: visits = ``r`` x
+    microbatches, hence ``ceil(visits / r)`` (a partly visited microbatch would round up,
+    never under-charge)."""
+    return tuple(-(-visits // regions) if regions else 0
+                 for visits, regions in zip(peak_visits, stored_regions(layout)))
+
+
 @lru_cache(maxsize=8192)
 def simulated(layout: PipelineLayout, microbatches: int, costs: tuple[RegionCost, ...], link: Link) -> PipelineStep:
     """Simulate all ``microbatches``; ``costs`` are per region, in the layout's order."""
@@ -74,7 +103,7 @@ def simulated(layout: PipelineLayout, microbatches: int, costs: tuple[RegionCost
     table = CostTable({name: cost for (name, _, _), cost in zip(layout.regions, costs)}, link=link)
     result = simulate(plan, table)
     return PipelineStep(result.step_time, result.bubble_fraction,
-                        tuple(result.peak_live[r] for r in sorted(result.peak_live)))
+                        in_flight(layout, tuple(result.peak_live[r] for r in sorted(result.peak_live))))
 
 
 def stage_seconds(layout: PipelineLayout, costs: tuple[RegionCost, ...], with_backward: bool) -> list[float]:
