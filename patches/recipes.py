@@ -30,7 +30,7 @@ PATCHES = [
         target="megatron.core.optimizer.optimizer:ChainedOptimizer.prepare_grads",
         wrapper=recipes.prepare_grads_wrapper,
         params="self",
-        checked=("megatron-core 0.12.3",),
+        checked=CHECKED,
         description="clip each module's gradient (--flow-module-grad-clip) before the global norm",
     ),
     Patch(

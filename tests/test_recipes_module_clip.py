@@ -82,6 +82,7 @@ def chained_worker(rank: int, world_size: int, spec: TinyGPTSpec, state_dict: di
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer, MegatronOptimizer
 
+    from megatron_param_groups import megatron_param_groups
     from mindspeed_flow.adapters import megatron_core_recipes
     from mindspeed_flow.patches import recipes as recipes_patches
     from mindspeed_flow.patching import PatchRegistry
@@ -94,7 +95,7 @@ def chained_worker(rank: int, world_size: int, spec: TinyGPTSpec, state_dict: di
         model = build_stage_model(spec, state_dict)
         from megatron.core.distributed import DistributedDataParallelConfig
         model.ddp_config = DistributedDataParallelConfig()
-        groups = opt_module._get_param_groups([model], None, None, 1.0, 1e-3, 0.0, None, None)
+        groups = megatron_param_groups([model], 1e-3, 0.0)
         child = FP32Optimizer.__new__(FP32Optimizer)
         MegatronOptimizer.__init__(child, torch.optim.SGD(groups, lr=1e-3), OptimizerConfig(), lambda g: None)
         child._scale, child.is_stub_optimizer = torch.tensor([1.0]), False

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_param_groups import megatron_param_groups
 from mindspeed_flow.adapters import megatron_core_recipes
 from mindspeed_flow.patches import recipes as recipes_patches
 from mindspeed_flow.patching import PatchRegistry
@@ -56,7 +57,7 @@ def train(mults: list[str] | None, warmups: list[str] | None, patched: bool):
     try:
         import megatron.core.optimizer as opt_module
         model = TinyVLM()
-        groups = opt_module._get_param_groups([model], None, None, 1.0, MAX_LR, MIN_LR, None, None)
+        groups = megatron_param_groups([model], MAX_LR, MIN_LR)
         optimizer = torch.optim.AdamW(groups, lr=MAX_LR)
         sched = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP,
                           lr_decay_steps=DECAY, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
