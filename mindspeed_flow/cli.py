@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "mindspeed_flow.attention.conv_matmul_cli",
     "mindspeed_flow.allocator.cli",
     "mindspeed_flow.recipes.average_cli",
+    "mindspeed_flow.train.cli",
 )
 
 

@@ -1,0 +1,37 @@
+"""``mindspeed-flow train CONFIG``: the main job (baseline, flowtrain, parity, resume check).
+
+Only argument parsing lives here; the job and everything heavy is imported when the
+subcommand runs, so registering it costs nothing for the other subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+RUN_KINDS = ("baseline", "flowtrain")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train the tiny VLM: baseline vs --use-flowtrain, parity, resume, report",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("config", type=Path, metavar="CONFIG", help="YAML job config (configs/train/demo.yaml)")
+    parser.add_argument("--steps", type=int, default=None, metavar="N", help="training steps (overrides the config)")
+    parser.add_argument("--only", choices=RUN_KINDS, default=None,
+                        help="train only this run (no parity run, no resume check)")
+    parser.add_argument("--parity", action="store_true",
+                        help="only the parity run: both runs fed the same packs, losses asserted equal")
+    parser.add_argument("--no-resume-check", action="store_true", help="skip the checkpoint/resume check")
+    parser.add_argument("--report", type=Path, default=None, metavar="DIR",
+                        help="report folder (overrides report_dir of the config)")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="number of processes (overrides layout.world_size)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    from mindspeed_flow.train.job import main as job_main
+
+    return job_main(args)
