@@ -15,7 +15,7 @@ import os
 import subprocess
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from mindspeed_flow.config import add_flow_arguments, flags_requested
 from mindspeed_flow.patching import Patch, PatchStatus
@@ -65,12 +65,17 @@ def pool_report() -> str:
     return "\n".join(lines)
 
 
-def binding_report() -> str:
-    """The core binding ``--flow-system`` would apply to this process (LOCAL_RANK / LOCAL_WORLD_SIZE)."""
-    from mindspeed_flow.system.apply import device_nodes
-    from mindspeed_flow.system.numa import binding_for_this_process
+def binding_report(environ: Mapping[str, str] | None = None, **device: Any) -> str:
+    """The core binding ``--flow-system`` would apply to this process (LOCAL_RANK / LOCAL_WORLD_SIZE).
 
-    binding = binding_for_this_process(device_nodes=device_nodes(dict(os.environ)))
+    ``device``: :func:`~mindspeed_flow.system.apply.planned_binding`'s device kind, sysfs roots
+    and bus-id queries (detected / the real ones unless given).
+    """
+    from mindspeed_flow.system.apply import device_kind, planned_binding
+
+    if "kind" not in device:
+        device["kind"] = device_kind()
+    binding = planned_binding(dict(os.environ if environ is None else environ), **device)
     return f"core binding (--flow-system) it would apply: {binding.describe()}"
 
 

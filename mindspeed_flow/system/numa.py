@@ -3,10 +3,9 @@ inherit the mask) runs on cores of the NUMA node nearest its device, the node's 
 evenly among the ranks that share it.  Without a device NUMA node (a CPU-only machine, or a
 driver that does not report one) the allowed cores are split evenly by local rank.
 
-The topology is read from sysfs (``/sys/devices/system/node/node*/cpulist``); a CUDA
-device's node from ``/sys/bus/pci/devices/<bus id>/numa_node``.  An Ascend device's NUMA
-affinity is not read in this version (no driver here to check it against): Ascend ranks
-get the even split.
+The topology is read from sysfs (``/sys/devices/system/node/node*/cpulist``); a device's
+node from its PCI device's ``/sys/bus/pci/devices/<bus id>/numa_node`` (the bus id of a CUDA
+or Ascend device: :mod:`.device_bus`).
 """
 
 from __future__ import annotations
@@ -60,22 +59,16 @@ def read_topology(root: Path = SYSFS_NODES) -> dict[int, list[int]]:
 
 
 def pci_numa_node(bus_id: str, root: Path = SYSFS_PCI) -> int | None:
-    """The NUMA node sysfs reports for a PCI device (``None``: unknown, or ``-1``)."""
+    """The NUMA node sysfs reports for a PCI device (``None``: no such device, or ``-1``)."""
     path = root / bus_id.lower() / "numa_node"
     if not path.exists():
         return None
-    node = int(path.read_text().strip())
+    text = path.read_text().strip()
+    try:
+        node = int(text)
+    except ValueError:
+        raise TopologyError(f"{path}: {text!r} is not a NUMA node number") from None
     return node if node >= 0 else None
-
-
-def cuda_numa_node(device: int, root: Path = SYSFS_PCI) -> int | None:
-    import torch
-
-    if not torch.cuda.is_available() or device >= torch.cuda.device_count():
-        return None
-    props = torch.cuda.get_device_properties(device)
-    bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-    return pci_numa_node(bus, root)
 
 
 def split_evenly(items: Sequence[int], parts: int, index: int) -> list[int]:
