@@ -5,4 +5,4 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${MINDSPEED_FLOW_VENV:-$ROOT/.venv}
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "$VENV/bin/python" scripts/demo_cpu.py "$@"
+exec "$VENV/bin/python" scripts/selftest.py "$@"
