@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     "mindspeed_flow.allocator.cli",
     "mindspeed_flow.recipes.average_cli",
     "mindspeed_flow.train.cli",
+    "mindspeed_flow.selftest",
 )
 
 

@@ -1,21 +1,24 @@
-"""The CPU demo: every capability that exists today, run for real on this machine.
+"""The self-test (``mindspeed-flow selftest``): each capability checked on its own, for real, on
+this machine.  Sections (``--only NAME``, repeatable; ``--list``):
 
-1. doctor: every declared patch against the installed upstream (megatron-core).
-2. Megatron on CPU: megatron-core's own 1F1B schedule, PP=2 over two gloo processes, against
+doctor: every declared patch against the installed upstream (megatron-core).
+megatron-pp2: megatron-core's own 1F1B schedule, PP=2 over two gloo processes, against
    a single-process reference of the same tiny GPT (losses, every gradient, call order).
-3. Packing: a seeded infographic-VQA stream packed online at 8K tokens, then each step's
+packing: a seeded infographic-VQA stream packed online at 8K tokens, then each step's
    packs dispatched by cost over 8 DP ranks x 8 microbatches, against round-robin.
-4. Fused varlen attention: a packed batch through megatron-core's GPTModel with the
+attention: fused varlen attention, a packed batch through megatron-core's GPTModel with the
    fused_attn patch enabled, against the same samples run one by one.
-5. Schedules: Megatron-style (best split), DistTrain-like, Mpipe <transpose, 1f1b> in its
+schedules: Megatron-style (best split), DistTrain-like, Mpipe <transpose, 1f1b> in its
    orders (ready / the public code's prefix, owner / recompute backward), <transpose, zb-h1>
    and FlowTrain decoupled, simulated at 72B / 512-device scale, with one Gantt chart each.
    The table's step times are means over the config's simulated steps (seeds); each chart
    draws the first of them (seed 0) and its title gives both.
 
 Nothing here is canned: every number printed is computed in this run.  Charts go to
-``outputs/demo/``.  Megatron's tiny-GPT harness lives with the tests (``tests/``), which is
-where its regression tests use it.
+``outputs/selftest/`` (``--out``).  Megatron's tiny-GPT harness lives with the tests (``tests/``),
+which is where its regression tests use it, so this script runs from a source checkout only.
+The main job, which trains a model with every feature on against the baseline, is
+``mindspeed-flow train`` (``scripts/demo.sh``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -37,7 +41,7 @@ def section(title: str) -> None:
     print(f"\n=== {title} " + "=" * max(0, 76 - len(title)), flush=True)
 
 
-def demo_doctor() -> None:
+def check_doctor() -> None:
     from mindspeed_flow.doctor import check_installed_patches
     from mindspeed_flow.patches import all_patches
     from mindspeed_flow.patching.status import format_table
@@ -48,7 +52,7 @@ def demo_doctor() -> None:
     print(f"{len(rows)} patches, {len(failing)} required target(s) missing or changed")
 
 
-def demo_megatron_pp2() -> None:
+def check_megatron_pp2() -> None:
     import megatron_cpu_harness as harness
 
     spec = harness.TinyGPTSpec()
@@ -66,7 +70,7 @@ def demo_megatron_pp2() -> None:
         print(f"rank {stage.rank} order: {order}")
 
 
-def demo_packing() -> None:
+def check_packing() -> None:
     import yaml
 
     from mindspeed_flow.packing import BestFitPacker, CostModel, dispatch
@@ -101,7 +105,7 @@ def demo_packing() -> None:
           f"dispatch {worst['dispatch']:.4f}, round-robin {worst['round-robin']:.4f}")
 
 
-def demo_fused_attention() -> None:
+def check_fused_attention() -> None:
     # The same fresh-interpreter run as tests/test_attention_megatron.py: the fused_attn
     # patch must be enabled before megatron is imported.
     from subprocess_utils import last_json, run_python
@@ -114,7 +118,7 @@ def demo_fused_attention() -> None:
     print(f"  parameter gradients: max relative difference = {out['grads_rel']:.3g}")
 
 
-def demo_schedules(charts: Path) -> None:
+def check_schedules(charts: Path) -> None:
     from mindspeed_flow.schedule.scenarios import format_table, load, run
 
     config = load(ROOT / "configs/sim/vlm_72b_e2e.yaml")
@@ -123,22 +127,37 @@ def demo_schedules(charts: Path) -> None:
     print(f"Gantt charts: {charts}/ (seed 0 of {config.get('seeds', 1)}: one sampled step, not the mean above)")
 
 
+def sections(out: Path) -> dict[str, tuple[str, Callable[[], None]]]:
+    """Section name -> (title, check), in running order."""
+    return {
+        "doctor": ("doctor: patch targets in the installed upstream", check_doctor),
+        "megatron-pp2": ("megatron-core 1F1B, PP=2 over gloo, against a single process", check_megatron_pp2),
+        "packing": ("packing and cost-balanced dispatch", check_packing),
+        "attention": ("fused varlen attention inside megatron-core", check_fused_attention),
+        "schedules": ("schedules at 72B / 512 devices", lambda: check_schedules(out / "sim")),
+    }
+
+
 def main() -> int:
+    from mindspeed_flow.selftest import add_selftest_arguments
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "demo", help="folder for the charts")
-    args = parser.parse_args()
+    args = add_selftest_arguments(parser).parse_args()
+    table = sections(args.out or ROOT / "outputs" / "selftest")
+    if args.list:
+        for name, (title, _) in table.items():
+            print(f"{name:<14} {title}")
+        return 0
+    unknown = [name for name in args.only if name not in table]
+    if unknown:
+        parser.error(f"--only {', '.join(unknown)}: no such section (sections: {', '.join(table)})")
+    chosen = [(name, *table[name]) for name in table if not args.only or name in args.only]
     torch.manual_seed(0)
-    steps = [
-        ("1. doctor: patch targets in the installed upstream", demo_doctor),
-        ("2. megatron-core 1F1B, PP=2 over gloo, against a single process", demo_megatron_pp2),
-        ("3. packing and cost-balanced dispatch", demo_packing),
-        ("4. fused varlen attention inside megatron-core", demo_fused_attention),
-        ("5. schedules at 72B / 512 devices", lambda: demo_schedules(args.out / "sim")),
-    ]
-    for title, step in tqdm(steps, desc="demo", unit="step", file=sys.stderr):
-        section(title)
+    for number, (name, title, check) in enumerate(tqdm(chosen, desc="selftest", unit="section",
+                                                       file=sys.stderr), start=1):
+        section(f"{number}. {title} [{name}]")
         start = time.perf_counter()
-        step()
+        check()
         print(f"[{time.perf_counter() - start:.1f} s]")
     return 0
 
