@@ -181,7 +181,8 @@ class RunRecord:
     ``steps`` are rank 0's outcomes (losses and counts are the same on every rank; a step
     ends at a global synchronisation, so its time differs across ranks by one collective);
     ``ranks`` holds one record per rank; ``timeline`` every rank's intervals of one measured
-    step, for the Gantt chart.
+    step, for the Gantt chart; ``device`` what the ranks ran on (``"cpu"``, ``"cuda"``; empty:
+    not recorded).
     """
 
     name: str
@@ -192,6 +193,7 @@ class RunRecord:
     steps: list[StepOutcome]
     ranks: list[RankRecord]
     timeline: list[Interval]
+    device: str = ""
 
     def __post_init__(self) -> None:
         owner = f"RunRecord({self.name!r})"

@@ -1,0 +1,239 @@
+"""The main job's report: a terminal table and a ``report/`` folder built from the runs' records.
+
+``format_table`` is what the job prints at the end; ``write_report`` writes
+
+* ``metrics.json``: every record (steps, intervals, ranks) and every derived number, so the
+  report can be rebuilt and checked without rerunning (:func:`read_records`);
+* ``summary.md``: the table, the parity and resume verdicts, each run's layout / plan text;
+* ``loss_curves.png``: both runs' step losses (and the parity / resume curves when given);
+* ``gantt_<run>.png``: the measured timeline of one step, one row per rank (drawn with the
+  schedule simulator's chart, :func:`mindspeed_flow.schedule.gantt.chart`);
+* ``memory.png``: peak memory per rank of each run.
+
+matplotlib is imported inside the drawing functions only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import textwrap
+from pathlib import Path
+from typing import Any, Sequence
+
+from mindspeed_flow.train.metrics import (
+    COMPUTE_KINDS,
+    KINDS,
+    NO_MICROBATCH,
+    REGIONS,
+    ParityResult,
+    ResumeResult,
+    RunRecord,
+    throughput_ratio,
+)
+
+BASELINE = "baseline"
+RULES = ("rates over the measured steps (every step but the first, warm-up one); tokens are real "
+         "(non-padding) tokens; x baseline = samples/s over the baseline's; padding = 1 - real / computed "
+         "tokens; idle = 1 - compute (F/B/W) time / step time per rank")
+# How a measured interval is drawn: compute bars fill the row (forward light, backward dark,
+# weight-gradient backward dotted); transfers are thin hatched bars under them.
+_ALPHA = {"F": 0.45, "B": 0.95, "W": 0.95, "PUT": 0.5, "GET": 0.5, "SEND": 0.5, "RECV": 0.5, "REDUCE": 0.5}
+_HATCH = {"W": "..", "PUT": "//", "GET": "\\\\", "SEND": "--", "RECV": "||", "REDUCE": "xx"}
+_LABEL = {"F": "F", "B": "B", "W": "W (weight grads)", "PUT": "pool put", "GET": "pool get", "SEND": "send",
+          "RECV": "recv", "REDUCE": "grad reduce"}
+
+
+def _baseline(records: Sequence[RunRecord]) -> RunRecord | None:
+    return next((r for r in records if r.name == BASELINE), None)
+
+
+def _grid(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int) -> list[str]:
+    """Columns padded to their widest cell: the first ``text_columns`` left-aligned, numbers right."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < text_columns else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    return [line(header), "-" * len(line(header)), *map(line, rows)]
+
+
+def _ratio_text(record: RunRecord, baseline: RunRecord | None) -> str:
+    if baseline is None:
+        return "-"
+    ratio = throughput_ratio(record, baseline)["samples_per_s"]
+    return "-" if math.isnan(ratio) else f"{ratio:.2f}x"
+
+
+def _devices(record: RunRecord) -> str:
+    return f"{record.world_size} {record.device}".rstrip()
+
+
+def format_table(records: Sequence[RunRecord]) -> str:
+    """The terminal table: one line per run, then one line per rank of each run."""
+    base = _baseline(records)
+    runs = [[r.name, _devices(r), r.layout, f"{r.samples_per_s():.2f}", f"{r.tokens_per_s():.0f}",
+             _ratio_text(r, base), f"{r.padding_fraction():.1%}", f"{r.peak_memory_mb():.0f}"]
+            for r in records]
+    ranks = [[f"{r.name} r{k.rank}", k.role, f"{k.idle_fraction:.1%}", f"{k.busy_s:.3f}", f"{k.step_s:.3f}",
+              f"{k.peak_memory_mb:.0f}"]
+             for r in records for k in sorted(r.ranks, key=lambda k: k.rank)]
+    lines = _grid(["run", "devices", "layout", "samples/s", "tokens/s", "x baseline", "padding", "peak MB"], runs, 3)
+    lines += [""] + _grid(["rank", "role", "idle", "busy s", "step s", "peak MB"], ranks, 2)
+    lines += [""] + textwrap.wrap(RULES, 100)
+    return "\n".join(lines)
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN: an undefined ratio is written as null."""
+    return x if math.isfinite(x) else None
+
+
+def metrics_json(records: Sequence[RunRecord], *, parity: ParityResult | None = None,
+                 resume: ResumeResult | None = None) -> dict[str, Any]:
+    """Everything measured and derived, as written to ``metrics.json``."""
+    base = _baseline(records)
+    runs = {}
+    for r in records:
+        entry: dict[str, Any] = {"derived": r.derived(), "record": r.to_json()}
+        if base is not None:
+            entry["ratio_to_baseline"] = {k: _finite(v) for k, v in throughput_ratio(r, base).items()}
+        runs[r.name] = entry
+    return {"rules": RULES, "runs": runs,
+            "parity": parity.to_json() if parity else None, "resume": resume.to_json() if resume else None}
+
+
+def read_records(path: Path) -> list[RunRecord]:
+    """The run records of a ``metrics.json`` written by :func:`write_report`."""
+    data = json.loads(Path(path).read_text())
+    return [RunRecord.from_json(entry["record"]) for entry in data["runs"].values()]
+
+
+def _summary(records: Sequence[RunRecord], parity: ParityResult | None, resume: ResumeResult | None,
+             charts: Sequence[str]) -> str:
+    out = ["# Training report", "", "```", format_table(records), "```", ""]
+    out += ["## Checks", ""]
+    out.append(f"- {parity.verdict()}" if parity else "- parity: not run")
+    out.append(f"- {resume.verdict()}" if resume else "- resume: not run")
+    for r in records:
+        out += ["", f"## {r.name}", "", f"- layout: {r.layout}", f"- devices: {_devices(r)}",
+                f"- features: {', '.join(r.features) if r.features else 'none'}",
+                f"- steps: {len(r.steps)}, final loss {r.steps[-1].loss:.4f}" if r.steps else "- steps: none"]
+        if r.plan_text:
+            out += ["", "```", r.plan_text.rstrip(), "```"]
+    out += ["", "## Charts", ""] + [f"![{Path(c).stem}]({c})" for c in charts]
+    return "\n".join(out) + "\n"
+
+
+def timeline_gantt(record: RunRecord, path: Path) -> list[Any]:
+    """Draw ``record.timeline`` (one measured step, one row per rank) to ``path``.
+
+    Returns the drawn bar rectangles, one per interval in timeline order.
+    """
+    from mindspeed_flow.schedule.gantt import Bar, Key, chart, region_colours
+
+    colour = region_colours(REGIONS)
+    roles = {k.rank: k.role for k in record.ranks}
+    bars = []
+    for iv in record.timeline:
+        text = "" if iv.microbatch == NO_MICROBATCH else str(iv.microbatch)
+        shape = {} if iv.kind in COMPUTE_KINDS else {"height": 0.25, "offset": 0.3}
+        bars.append(Bar(iv.rank, iv.start, iv.end, colour[iv.region], _ALPHA[iv.kind], _HATCH.get(iv.kind),
+                        text if iv.kind in COMPUTE_KINDS else "", **shape))
+    drawn = {(iv.region, iv.kind) for iv in record.timeline}
+    keys = [Key(f"{region} {_LABEL[kind]}", colour[region], _ALPHA[kind], _HATCH.get(kind))
+            for region in REGIONS for kind in KINDS if (region, kind) in drawn]
+    span = max((iv.end for iv in record.timeline), default=0.0) or 1.0
+    idle = sum(k.idle_fraction for k in record.ranks) / len(record.ranks) if record.ranks else math.nan
+    title = (f"{record.name} ({record.layout}): one measured step {span:.3f} s; "
+             f"mean idle over measured steps {idle:.0%}")
+    rows = [f"r{rank} {roles.get(rank, '')}".rstrip() for rank in range(record.world_size)]
+    return chart(bars, rows, keys, path, title=title, span=span)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def loss_curves(records: Sequence[RunRecord], path: Path, *, parity: ParityResult | None = None,
+                resume: ResumeResult | None = None) -> Path:
+    """Step losses of every run; a panel each for the parity and resume comparisons when given."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    panels = 1 + (parity is not None) + (resume is not None)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    for r in records:
+        ax.plot([s.step for s in r.steps], r.losses(), marker=".", label=r.name)
+    ax.set_title("step loss", fontsize=10)
+    panel = 1
+    if parity is not None:
+        ax = axes[0][panel]
+        panel += 1
+        ax.plot(parity.steps, parity.baseline, marker="o", label="baseline (same packs)")
+        ax.plot(parity.steps, parity.flowtrain, marker=".", linestyle="--", label="flowtrain")
+        ax.set_title(f"parity {'PASS' if parity.passed else 'FAIL'}: max rel dev {parity.max_rel_deviation:.1e}",
+                     fontsize=10)
+    if resume is not None:
+        ax = axes[0][panel]
+        ax.plot(resume.steps, resume.uninterrupted, marker="o", label="uninterrupted")
+        ax.plot(resume.steps, resume.resumed, marker=".", linestyle="--", label="stopped + resumed")
+        ax.axvline(resume.stop_step + 0.5, color="0.5", linewidth=0.8)
+        ax.set_title(f"resume {'PASS' if resume.passed else 'FAIL'} ({resume.run}): "
+                     f"max dev {resume.max_abs_deviation:.1e}", fontsize=10)
+    for ax in axes[0]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def memory_chart(records: Sequence[RunRecord], path: Path) -> Path:
+    """Peak memory per rank, one group of bars per rank, one bar per run."""
+    plt = _pyplot()
+    world = max((r.world_size for r in records), default=1)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * world + 2), 3.5))
+    width = 0.8 / max(len(records), 1)
+    for i, r in enumerate(records):
+        ranks = sorted(r.ranks, key=lambda k: k.rank)
+        ax.bar([k.rank + (i - (len(records) - 1) / 2) * width for k in ranks], [k.peak_memory_mb for k in ranks],
+               width=width, label=r.name)
+    ax.set_xticks(range(world))
+    ax.set_xticklabels([f"r{k}" for k in range(world)])
+    ax.set_ylabel("peak memory (MB)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(records: Sequence[RunRecord], out: Path, *, parity: ParityResult | None = None,
+                 resume: ResumeResult | None = None) -> Path:
+    """Write the report folder ``out`` (created if needed) and return it."""
+    names = [r.name for r in records]
+    if len(set(names)) != len(names) or not all(re.fullmatch(r"[\w.-]+", n) for n in names):
+        raise ValueError(f"write_report: run names name the Gantt files, so they must be distinct words "
+                         f"(letters, digits, _ . -), got {names}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics_json(records, parity=parity, resume=resume), indent=1))
+    charts = [loss_curves(records, out / "loss_curves.png", parity=parity, resume=resume).name]
+    for r in records:
+        timeline_gantt(r, out / f"gantt_{r.name}.png")
+        charts.append(f"gantt_{r.name}.png")
+    charts.append(memory_chart(records, out / "memory.png").name)
+    (out / "summary.md").write_text(_summary(records, parity, resume, charts))
+    return out
