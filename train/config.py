@@ -1,0 +1,195 @@
+"""The job's configuration: plain dataclasses, one per YAML section, read with
+:func:`load_config`.
+
+Every key of the YAML file must name a field (a typo is an error, not a silent default),
+and every value must have the field's type; errors name the file and the dotted key.
+Unset keys keep the defaults below, which are the demo's (``configs/train/demo.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from mindspeed_flow.train.model import ModelConfig
+
+POOL_BACKENDS = ("local", "shm", "torch")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The demo corpus (made with ``make_demo_corpus(path, samples, seed)`` when ``path``
+    has none) and how it is cut into steps.  Each step is ``packs_per_step`` packs of at
+    most ``capacity`` tokens, the same samples for both runs; the baseline pads them into
+    microbatches of ``micro_batch_size`` samples."""
+
+    path: str = "outputs/demo_data"
+    samples: int = 400
+    seed: int = 0
+    capacity: int = 1024
+    packs_per_step: int = 4
+    micro_batch_size: int = 2
+    max_pixels: int = 50176
+    num_workers: int = 1
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """Processes and how each run places the model on them.
+
+    The baseline is PP=``baseline_pp`` x DP=``world_size / baseline_pp`` with the ViT in
+    stage 0.  FlowTrain takes its layout from the allocator when ``use_allocator`` is true
+    and the plan fits a ``DecoupledLayout``, otherwise from the three ``flow_*`` sizes
+    (``flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp)`` must be ``world_size``).
+    """
+
+    world_size: int = 4
+    baseline_pp: int = 2
+    use_allocator: bool = True
+    flow_encoder_dp: int = 2
+    flow_backbone_pp: int = 2
+    flow_backbone_dp: int = 1
+    max_ahead: int = 2
+    pool_backend: str = "shm"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """``torch.optim.AdamW`` hyperparameters, the same for both runs."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole job.  ``parity_steps``: steps of the parity run; ``resume_at``: the resume
+    check stops after this many steps, reloads from ``checkpoint_dir`` and continues to
+    ``steps`` (``checkpoint_dir``, default ``<report_dir>/checkpoint``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    steps: int = 12
+    seed: int = 1234
+    report_dir: str = "outputs/train/report"
+    checkpoint_dir: Optional[str] = None  # None: <report_dir>/checkpoint
+    parity_steps: int = 3
+    resume_at: int = 2
+
+    @property
+    def baseline_dp(self) -> int:
+        return self.layout.world_size // self.layout.baseline_pp
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.report_dir) / "checkpoint"
+
+
+def load_config(path: str | Path, **overrides: Any) -> TrainConfig:
+    """Read ``path``; ``overrides`` (``steps=3``, ``report_dir=...``, ``world_size=2``)
+    replace top-level fields, ``world_size`` the layout's."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc.strerror or exc})") from exc
+    import yaml
+
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    world_size = overrides.pop("world_size", None)
+    cfg = _build(TrainConfig, raw, path, "")
+    if world_size is not None:
+        cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, world_size=world_size))
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    check_config(cfg, path)
+    return cfg
+
+
+def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
+    """Values that have the right type but cannot work together."""
+    problems = []
+    positive = {"steps": cfg.steps, "data.samples": cfg.data.samples, "data.capacity": cfg.data.capacity,
+                "data.packs_per_step": cfg.data.packs_per_step, "data.micro_batch_size": cfg.data.micro_batch_size,
+                "layout.world_size": cfg.layout.world_size, "layout.baseline_pp": cfg.layout.baseline_pp,
+                "parity_steps": cfg.parity_steps}
+    problems += [f"{key}: must be >= 1, got {value}" for key, value in positive.items() if value < 1]
+    if cfg.data.num_workers < 0:
+        problems.append(f"data.num_workers: must be >= 0, got {cfg.data.num_workers}")
+    lay = cfg.layout
+    if lay.baseline_pp >= 1 and lay.world_size % lay.baseline_pp:
+        problems.append(f"layout.baseline_pp: {lay.baseline_pp} does not divide layout.world_size {lay.world_size}")
+    if not lay.use_allocator and lay.flow_backbone_dp * (lay.flow_encoder_dp + lay.flow_backbone_pp) != lay.world_size:
+        problems.append(f"layout: flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp) = {lay.flow_backbone_dp} * "
+                        f"({lay.flow_encoder_dp} + {lay.flow_backbone_pp}) is not world_size {lay.world_size}")
+    if lay.pool_backend not in POOL_BACKENDS:
+        problems.append(f"layout.pool_backend: {lay.pool_backend!r} is not one of {POOL_BACKENDS}")
+    if not 0 < cfg.resume_at < cfg.steps:
+        problems.append(f"resume_at: must be between 1 and steps - 1 = {cfg.steps - 1}, got {cfg.resume_at}")
+    if problems:
+        raise ConfigError(f"{path}: " + "; ".join(problems))
+
+
+def _build(cls: type, raw: Any, path: Path, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: {where}: expected a mapping, got {type(raw).__name__} {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {prefix}{unknown[0]} (known in {where}: {', '.join(fields)})")
+    hints = typing.get_type_hints(cls)
+    values = {name: _value(hints[name], value, path, f"{prefix}{name}") for name, value in raw.items()}
+    return cls(**values)
+
+
+def _value(hint: Any, value: Any, path: Path, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path, key + ".")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _value(hint, value, path, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{path}: {key}: expected a list of {len(args)} numbers, got {value!r}")
+        return tuple(_value(a, v, path, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{path}: {key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def as_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as plain data (for the report and the checkpoint's metadata)."""
+    return dataclasses.asdict(cfg)
+
+
+__all__ = ["ConfigError", "DataConfig", "LayoutConfig", "OptimConfig", "TrainConfig", "as_dict", "check_config",
+           "load_config"]

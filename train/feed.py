@@ -1,0 +1,96 @@
+"""The steps' data: rank 0 reads the demo corpus with ``FlowDataLoader`` and every rank gets
+each step's packs by broadcast, so both runs (and every stage of them) see the same samples.
+
+One decoding process for the whole world is enough for this tiny model; the loader's own
+broadcast (:mod:`mindspeed_flow.data.broadcast`) sends each pack's tensors and sample ids.
+A step is ``data.packs_per_step`` consecutive packs; an epoch that ends inside a step
+continues with the next epoch.  ``state_dict`` is the loader's resumable state (rank 0's
+holds the data position; the others only their settings) plus the step count, so a resumed
+feed yields exactly the steps the uninterrupted one would have, no sample twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+if TYPE_CHECKING:
+    from mindspeed_flow.train.config import TrainConfig
+    from mindspeed_flow.train.launch import DistEnv
+
+SOURCE_RANK = 0
+
+
+@dataclass
+class StepData:
+    """One step's global batch, identical on every rank."""
+
+    step: int  # 1-based global step
+    packs: list[dict]  # collate_pack dicts, tensors on the rank's device
+    loss_tokens: int  # batches.count_loss_tokens(packs): the loss denominator of the step
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sid for pack in self.packs for sid in pack["sample_ids"]]
+
+
+def ensure_corpus(cfg: "TrainConfig") -> Path:
+    """The corpus directory of ``cfg.data``; made with ``make_demo_corpus`` when it holds no
+    records yet (then it is the demo corpus of ``data.samples`` records and ``data.seed``)."""
+    from mindspeed_flow.data.demo import make_demo_corpus
+
+    path = Path(cfg.data.path)
+    if not any(path.glob("*.json*")):
+        make_demo_corpus(path, samples=cfg.data.samples, seed=cfg.data.seed)
+    return path
+
+
+class StepFeed:
+    """``next()`` gives the next :class:`StepData`; call it on every rank in the same order."""
+
+    def __init__(self, cfg: "TrainConfig", env: "DistEnv") -> None:
+        import torch.distributed as dist
+
+        from mindspeed_flow.data import FlowDataLoader
+
+        self.cfg, self.env = cfg, env
+        self.step = 0
+        if env.rank == SOURCE_RANK:
+            ensure_corpus(cfg)
+        group = dist.group.WORLD if env.world_size > 1 else None
+        self.loader = FlowDataLoader(
+            cfg.data.path, None, capacity=cfg.data.capacity, dp_rank=0, dp_size=1,
+            num_workers=cfg.data.num_workers, seed=cfg.seed, step_packs=cfg.data.packs_per_step,
+            group=group, src=SOURCE_RANK if group is not None else None, device=env.device,
+            max_pixels=cfg.data.max_pixels)
+        self._packs: Optional[Iterator[dict[str, Any]]] = None
+
+    def _next_pack(self) -> dict[str, Any]:
+        for _ in range(2):  # an exhausted epoch is followed by the next one
+            if self._packs is None:
+                self._packs = iter(self.loader)
+            pack = next(self._packs, None)
+            if pack is not None:
+                return pack
+            self._packs = None
+        raise RuntimeError(f"the corpus {self.cfg.data.path} gave no pack in a whole epoch "
+                           "(every sample bad or overlong? see the loader's warnings)")
+
+    def next(self) -> StepData:
+        from mindspeed_flow.train.batches import count_loss_tokens
+
+        packs = [self._on_device(self._next_pack()) for _ in range(self.cfg.data.packs_per_step)]
+        self.step += 1
+        return StepData(step=self.step, packs=packs, loss_tokens=count_loss_tokens(packs))
+
+    def _on_device(self, pack: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.env.device) if hasattr(v, "to") else v for k, v in pack.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        self._packs = None  # the next pack comes from the restored position

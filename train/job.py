@@ -1,0 +1,293 @@
+"""The main job: every phase in ONE launch of the ranks (megatron-core's import alone costs
+seconds per rank, so the phases share it).
+
+Phases, in order (``cli`` picks which):
+
+1. ``baseline``: the MindSpeed-MM-style run for ``steps`` steps.
+2. ``flowtrain``: the ``--use-flowtrain`` run over the same steps' samples; after step
+   ``resume_at`` each rank writes a checkpoint (its trainer's model, optimizer and RNG
+   state, and the feed's loader state) to ``checkpoint_dir``.
+3. ``parity``: both runs again for ``parity_steps`` steps in parity mode (fed the same
+   packs); their step losses must agree (:class:`~mindspeed_flow.train.metrics.ParityResult`).
+4. ``resume``: a new flowtrain trainer and a new feed load that checkpoint from disk and
+   train steps ``resume_at + 1 .. steps``; the losses must equal the uninterrupted run's
+   bit for bit, and the samples fed after the resume must be exactly the uninterrupted
+   run's (none repeated, none skipped).
+
+The parent shows one progress bar per phase (loss, samples/s), prints the collected upstream
+warnings once, the report table and the verdicts, and writes the report folder.  A failed
+parity or resume check makes the command exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from mindspeed_flow.train.config import TrainConfig
+    from mindspeed_flow.train.feed import StepFeed
+    from mindspeed_flow.train.launch import DistEnv
+
+RUNS = ("baseline", "flowtrain")
+RESUME_RUN = "flowtrain"
+CHECKPOINT_FILE = "rank{rank:03d}.pt"
+
+
+@dataclass(frozen=True)
+class Phases:
+    """What one invocation runs."""
+
+    runs: tuple[str, ...] = RUNS
+    parity: bool = True
+    resume: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Phases":
+        if args.parity:
+            return cls(runs=(), parity=True, resume=False)
+        if args.only:
+            return cls(runs=(args.only,), parity=False,
+                       resume=args.only == RESUME_RUN and not args.no_resume_check)
+        return cls(runs=RUNS, parity=True, resume=not args.no_resume_check)
+
+
+@dataclass
+class RankRun:
+    """What one rank hands back for one run."""
+
+    name: str
+    steps: list  # StepOutcome per step
+    rank_record: Any  # RankRecord
+    info: dict = field(default_factory=dict)  # layout, features, plan_text
+    sample_ids: list[list[str]] = field(default_factory=list)  # per step
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------- on every rank
+
+
+def _train(kind: str, cfg: "TrainConfig", env: "DistEnv", emit: Callable, *, phase: str, parity: bool = False,
+           steps: int, checkpoint_at: Optional[int] = None, resume_from: Optional[Path] = None) -> RankRun:
+    """Build a trainer and a feed, train up to global step ``steps`` and close."""
+    from mindspeed_flow.train.feed import StepFeed
+    from mindspeed_flow.train.flow import build_trainer
+
+    started = time.perf_counter()
+    trainer = build_trainer(kind, cfg, env, parity=parity)
+    try:
+        feed = StepFeed(cfg, env)
+        if resume_from is not None:
+            _load_checkpoint(resume_from, trainer, feed, env)
+        first = feed.step + 1
+        emit({"phase": phase, "start": first - 1, "total": steps})
+        outcomes, ids = [], []
+        for _ in range(first, steps + 1):
+            data = feed.next()
+            outcome = trainer.train_step(data)
+            outcomes.append(outcome)
+            ids.append(data.sample_ids)
+            emit({"phase": phase, "step": outcome.step, "loss": outcome.loss, "samples": outcome.samples,
+                  "step_s": outcome.step_s})
+            if checkpoint_at == data.step:
+                _save_checkpoint(cfg.checkpoint_path, trainer, feed, env, cfg)
+        record = trainer.rank_record()
+        info = _run_info(trainer, kind)
+    finally:
+        trainer.close()
+    return RankRun(phase, outcomes, record, info, ids, time.perf_counter() - started)
+
+
+def _run_info(trainer: Any, kind: str) -> dict:
+    """Layout, features and plan text of a trainer (for the report's run record)."""
+    return {"layout": str(getattr(trainer, "layout_text", getattr(trainer, "layout", kind))),
+            "features": list(getattr(trainer, "features", [])),
+            "plan_text": getattr(trainer, "plan_text", None)}
+
+
+def _save_checkpoint(directory: Path, trainer: Any, feed: "StepFeed", env: "DistEnv", cfg: "TrainConfig") -> None:
+    """This rank's checkpoint, written atomically (temp file, then rename)."""
+    import torch
+
+    from mindspeed_flow.train.config import as_dict
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CHECKPOINT_FILE.format(rank=env.rank)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": feed.step, "world_size": env.world_size, "config": as_dict(cfg),
+                "trainer": trainer.state_dict(), "feed": feed.state_dict()}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(directory: Path, trainer: Any, feed: "StepFeed", env: "DistEnv") -> None:
+    import torch
+
+    path = directory / CHECKPOINT_FILE.format(rank=env.rank)
+    if not path.exists():
+        raise FileNotFoundError(f"resume: no checkpoint for rank {env.rank} at {path}")
+    state = torch.load(path, map_location=env.device, weights_only=False)
+    if state["world_size"] != env.world_size:
+        raise ValueError(f"resume: {path} was written by a {state['world_size']}-rank job, this one has "
+                         f"{env.world_size} ranks")
+    trainer.load_state_dict(state["trainer"])
+    feed.load_state_dict(state["feed"])
+
+
+def rank_main(env: "DistEnv", emit: Callable, cfg: "TrainConfig", phases: Phases) -> dict[str, RankRun]:
+    """Every phase on this rank (the launched worker)."""
+    out: dict[str, RankRun] = {}
+    checkpoint_at = cfg.resume_at if phases.resume else None
+    for kind in phases.runs:
+        out[kind] = _train(kind, cfg, env, emit, phase=kind, steps=cfg.steps,
+                           checkpoint_at=checkpoint_at if kind == RESUME_RUN else None)
+    if phases.parity:
+        for kind in RUNS:
+            out[f"parity-{kind}"] = _train(kind, cfg, env, emit, phase=f"parity {kind}", parity=True,
+                                           steps=cfg.parity_steps)
+    if phases.resume:
+        if RESUME_RUN not in out:  # the uninterrupted run, with its checkpoint
+            out[RESUME_RUN] = _train(RESUME_RUN, cfg, env, emit, phase=RESUME_RUN, steps=cfg.steps,
+                                     checkpoint_at=cfg.resume_at)
+        out["resume"] = _train(RESUME_RUN, cfg, env, emit, phase="resume", steps=cfg.steps,
+                               resume_from=cfg.checkpoint_path)
+    return out
+
+
+# ---------------------------------------------------------------------- in the parent
+
+
+class Progress:
+    """One tqdm bar per phase, fed by rank 0's step events."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.bar = None
+        self.phase = None
+
+    def __call__(self, event: dict) -> None:
+        from tqdm import tqdm
+
+        if "total" in event:
+            self.close()
+            self.phase = event["phase"]
+            self.bar = tqdm(total=event["total"], initial=event["start"], desc=f"{self.phase:>18}", unit="step",
+                            file=self.stream, dynamic_ncols=True, leave=True)
+        elif self.bar is not None:
+            rate = event["samples"] / event["step_s"] if event["step_s"] > 0 else 0.0
+            self.bar.set_postfix_str(f"loss {event['loss']:.4f}, {rate:.1f} samples/s", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def run_record(name: str, ranks: list[RankRun], world_size: int):
+    """The report's record of one run from every rank's part: rank 0's steps, one record
+    per rank, and every rank's intervals of the last (measured) step as the timeline."""
+    from mindspeed_flow.train.metrics import RunRecord
+
+    first = ranks[0]
+    timeline = [iv for r in ranks if r.steps for iv in r.steps[-1].intervals]
+    return RunRecord(name=name, layout=first.info["layout"], world_size=world_size,
+                     features=first.info["features"], plan_text=first.info["plan_text"], steps=first.steps,
+                     ranks=[r.rank_record for r in ranks], timeline=timeline)
+
+
+def compare_parity(results: list[dict[str, RankRun]]):
+    from mindspeed_flow.train.metrics import ParityResult
+
+    base, flow = results[0]["parity-baseline"], results[0]["parity-flowtrain"]
+    return ParityResult.compare([s.step for s in base.steps], [s.loss for s in base.steps],
+                                [s.loss for s in flow.steps])
+
+
+def compare_resume(results: list[dict[str, RankRun]], cfg: "TrainConfig"):
+    """Resumed curve = the uninterrupted run's losses up to the stop, then the resumed run's;
+    a repeated sample is one fed more often (before the stop and after the resume together)
+    than the uninterrupted run fed it; samples fed in another order or skipped fail too."""
+    from mindspeed_flow.train.metrics import ResumeResult
+
+    whole, resumed = results[0][RESUME_RUN], results[0]["resume"]
+    k = cfg.resume_at
+    losses = [s.loss for s in whole.steps]
+    curve = losses[:k] + [s.loss for s in resumed.steps]
+    before = [sid for step in whole.sample_ids[:k] for sid in step]
+    after = [sid for step in resumed.sample_ids for sid in step]
+    expected = [sid for step in whole.sample_ids[k:] for sid in step]
+    repeated = sorted((Counter(before + after) - Counter(before + expected)).elements())
+    result = ResumeResult.compare(RESUME_RUN, k, [s.step for s in whole.steps], losses, curve,
+                                  repeated_samples=repeated)
+    same_samples = after == expected
+    if not same_samples and result.passed:
+        result = dataclasses.replace(result, passed=False)
+    return result, same_samples
+
+
+def main(args: argparse.Namespace) -> int:
+    """``mindspeed-flow train``: see the module docstring."""
+    from mindspeed_flow.train.config import as_dict, load_config
+    from mindspeed_flow.train.feed import ensure_corpus
+    from mindspeed_flow.train.launch import RankFailed, run_world
+    from mindspeed_flow.train.warnings_log import summary
+
+    cfg = load_config(args.config, steps=args.steps, world_size=args.nproc,
+                      report_dir=str(args.report) if args.report is not None else None)
+    phases = Phases.from_args(args)
+    ensure_corpus(cfg)  # before the ranks start, so they never race to make it
+    print(f"mindspeed-flow train {args.config}: {cfg.layout.world_size} ranks, {cfg.steps} steps; phases: "
+          f"{', '.join(phases.runs) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
+          flush=True)
+    progress = Progress()
+    started = time.perf_counter()
+    try:
+        launched = run_world(rank_main, cfg.layout.world_size, cfg, phases, on_event=progress)
+    except RankFailed as exc:
+        progress.close()
+        print(f"mindspeed-flow train: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        progress.close()
+    if launched is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
+    results, noise = launched
+    wall_s = time.perf_counter() - started
+    print(summary(noise, cfg.layout.world_size))
+    return _report(cfg, phases, results, noise, wall_s, as_dict(cfg))
+
+
+def _report(cfg: "TrainConfig", phases: Phases, results: list[dict[str, RankRun]], noise: Any, wall_s: float,
+            config: dict) -> int:
+    from mindspeed_flow.train.report import format_table, write_report
+
+    world = cfg.layout.world_size
+    records = [run_record(kind, [r[kind] for r in results], world) for kind in phases.runs]
+    parity = compare_parity(results) if phases.parity else None
+    resume, same_samples = compare_resume(results, cfg) if phases.resume else (None, True)
+    out = Path(cfg.report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if records:
+        print(format_table(records))
+    write_report(records, out, parity=parity, resume=resume)
+    phase_s = {name: max(r[name].seconds for r in results) for name in results[0]}
+    (out / "job.json").write_text(json.dumps({"config": config, "wall_s": wall_s, "phase_s": phase_s,
+                                              "ranks": world, "resume_same_samples": same_samples}, indent=1) + "\n")
+    (out / "warnings.json").write_text(json.dumps(noise.to_json(), indent=1) + "\n")
+    failed = []
+    for check in (parity, resume):
+        if check is not None:
+            print(check.verdict())
+            failed += [] if check.passed else [check]
+    if resume is not None and not same_samples:
+        print("resume FAIL: the samples fed after the resume differ from the uninterrupted run's")
+    print(f"report: {out}/ (job wall time {wall_s:.1f} s)")
+    return 1 if failed else 0
