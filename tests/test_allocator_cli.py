@@ -75,3 +75,37 @@ def test_decoupled_plan_says_what_upstream_alone_realises():
     assert plan.placement == "decoupled"
     assert (f"realise the backbone's {plan.backbone.devices} devices and the splits; the encoder's own "
             f"{plan.encoder.devices} devices need the decoupled runtime") in text
+
+
+def test_highs_prints_nothing_unless_asked(capfd):
+    """HiGHS writes its banner and log to file descriptor 1 from C, so ``capfd`` (not
+    ``capsys``) is what sees them.  In fresh processes (the banner comes once per process,
+    at the first ``Highs()``): ``solve`` and ``mindspeed-flow plan`` print none of it,
+    ``verbose=True`` prints the banner.  In this process: a verbose solve's log (and
+    ``plan --verbose``'s) reaches fd 1, a default solve writes nothing there."""
+    from subprocess_utils import run_python
+
+    script = f"""
+        import sys
+        from mindspeed_flow.allocator import Profile, ProxyModel, load_config, solve
+        config = load_config({str(CONFIG)!r})
+        proxy = ProxyModel(Profile.load(config.profile), config.cluster)
+        solve(config.model, config.cluster, proxy, config.workload, verbose=sys.argv[1] == "verbose")
+        """
+    quiet, verbose = (run_python(script, [mode]) for mode in ("quiet", "verbose"))
+    assert quiet.returncode == 0 and verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert quiet.stdout == "" and "HiGHS" not in quiet.stderr
+    assert verbose.stdout.startswith("Running HiGHS")
+    plain = run_python("import sys; from mindspeed_flow import cli; sys.exit(cli.main(sys.argv[1:]))",
+                       ["plan", str(CONFIG)])
+    assert plain.stdout.startswith("plan for tiny VLM (CPU)") and "HiGHS" not in plain.stdout + plain.stderr
+
+    config = load_config(CONFIG)
+    proxy = ProxyModel(Profile.load(config.profile), config.cluster)
+    capfd.readouterr()
+    loud_plan = solve(config.model, config.cluster, proxy, config.workload, verbose=True)
+    assert "Presolving model" in capfd.readouterr().out
+    assert solve(config.model, config.cluster, proxy, config.workload) == loud_plan
+    assert capfd.readouterr() == ("", "")
+    assert cli.main(["plan", str(CONFIG), "--verbose"]) == 0
+    assert "Presolving model" in capfd.readouterr().out

@@ -241,3 +241,29 @@ def test_memory_charges_each_part_once_per_microbatch_in_flight(proxy):
     est = proxy.backbone(BACKBONE, workload, 2, 4, 1, 1)  # decoupled: head on the last stage
     assert proxy.pipeline(BACKBONE, 2, 4, 1, 8).peak_live == (4, 3, 2, 1)
     assert est.memory.activations == pytest.approx(4 * 6 * llm_layer, rel=1e-12)
+
+
+def test_planned_live_is_the_simulated_in_flight(proxy):
+    """Backbones over memory are rejected before simulating, with ``planned_live`` as the
+    microbatches in flight; that is safe only if the simulator never reports fewer.  It
+    reports exactly as many: backbone layouts (LLM layers + head) and co-located ones
+    (ViT trained or frozen + layers + head), fewer and more microbatches than stages."""
+    from mindspeed_flow.allocator.pipeline import in_flight, planned_live, simulated
+
+    vit = ModuleSpec(layers=4, hidden=1024, heads=16, ffn=4096, query_groups=16, tokens_per_sample=256)
+    costs = (proxy.region_cost("encoder", vit, 2, 1, vit.layers),) + proxy.backbone_costs(BACKBONE, 2, 1)
+    for pp in (1, 2, 3, 4, 6, 8):
+        for microbatches in sorted({1, pp - 1, pp, pp + 1, 2 * pp + 3} - {0}):
+            step = simulated(backbone_layout(BACKBONE.layers, pp, True), microbatches, costs[1:], proxy.intra)
+            assert step.peak_live == planned_live(pp, microbatches), (pp, microbatches)
+            for trained in (True, False):
+                per = (BACKBONE.layers - 2) // pp
+                llm = (2,) + (per,) * (pp - 2) + (BACKBONE.layers - 2 - per * (pp - 2),) if pp > 1 else (24,)
+                split = (vit.layers + llm[0],) + llm[1:]
+                layout = PipelineLayout((("vit", vit.layers, trained), (LAYERS_REGION, BACKBONE.layers, True),
+                                         (HEAD_REGION, 1, True)), split[:-1] + (split[-1] + 1,))
+                step = simulated(layout, microbatches, costs, proxy.intra)
+                assert step.peak_live == planned_live(pp, microbatches), (pp, microbatches, trained)
+    # in_flight does the dividing: stage 0 of a 2-region stage with 6 visits holds 3 microbatches.
+    layout = PipelineLayout((("vit", 4, True), (LAYERS_REGION, 8, True), (HEAD_REGION, 1, True)), (6, 7))
+    assert in_flight(layout, (6, 2)) == (3, 1)

@@ -10,7 +10,8 @@ misses by, when it breaks:
 - ``batch/dp``: the global batch must divide into ``dp x micro batch`` (Megatron's rule)
   for the backbone, into ``dp x encoder micro batch`` for the encoder;
 - ``devices``: one module alone must fit the device budget;
-- ``memory``: the fullest device must fit (``memory.py``, activations from the simulator).
+- ``memory``: the fullest device must fit (``memory.py``, activations from the simulator;
+  backbones are checked before simulating with the microbatches 1F1B holds in flight).
 
 The replica counts tried are the divisors of the global batch (over the micro batch) that
 fit the budget, which is every count the batch rule allows.  Backbone candidates are
@@ -20,8 +21,10 @@ simulated lazily (:class:`LazyPool`): the simulation is the expensive part.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Iterator
 
+from .pipeline import planned_live
 from .proxy import BackboneEstimate, EncoderEstimate, ProxyModel
 from .specs import GIB, ClusterSpec, ModuleSpec, Workload
 
@@ -56,8 +59,16 @@ class CandidateSet:
     rejections: list[Rejection]
 
 
+@lru_cache(maxsize=256)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order (pairs up to ``sqrt n``: the global batch
+    of a 16384-device job has ~15000 candidates below it, and this runs per config)."""
+    return list(_divisors(n))
 
 
 def _tp_rejection(module: str, spec: ModuleSpec, tp: int, cluster: ClusterSpec) -> Rejection | None:
@@ -173,8 +184,10 @@ class LazyPool:
 
 def backbone_pool(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
                   rejections: list[Rejection]) -> LazyPool:
-    """Backbone configs after the cheap checks (memory with one microbatch per stage, which
-    only ever underestimates), none simulated yet."""
+    """Backbone configs after the cheap checks, none simulated yet.  Memory is checked with
+    the microbatches 1F1B holds in flight (:func:`.pipeline.planned_live`), which the
+    simulator never reports fewer of: a config rejected here would be rejected after
+    simulating too, so it is not simulated."""
     pending = []
     pp_choices = workload.pp_choices or tuple(divisors(spec.layers))
     for tp in workload.tp_choices:
@@ -194,7 +207,7 @@ def backbone_pool(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, pr
                     continue
                 units = workload.global_batch // mbs
                 for dp in _replicas("backbone", config, tp * pp, units, cluster, rejections):
-                    floor = proxy.backbone_memory(spec, workload, tp, pp, mbs, dp)
+                    floor = proxy.backbone_memory(spec, workload, tp, pp, mbs, dp, planned_live(pp, units // dp))
                     if floor.total > cluster.memory_limit:
                         rejections.append(Rejection("backbone", f"{config} dp {dp}", "memory", floor.total,
                                                     cluster.memory_limit, "GiB", at_least=True))

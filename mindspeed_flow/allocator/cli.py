@@ -27,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--alternatives", type=int, help="override how many alternatives to show")
     parser.add_argument("--out", type=Path, help="write the plan (YAML or .json) for --flow-allocator-plan")
     parser.add_argument("--png", type=Path, help="draw the rate match to this PNG")
+    parser.add_argument("--verbose", action="store_true", help="let HiGHS print its banner and solve log")
     parser.set_defaults(func=run)
 
 
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace, _argv: list[str]) -> int:
             config = replace(config, workload=replace(config.workload, alternatives=args.alternatives))
         profile = Profile.load(config.profile)
         proxy = ProxyModel(profile, config.cluster)
-        plan = solve(config.model, config.cluster, proxy, config.workload)
+        plan = solve(config.model, config.cluster, proxy, config.workload, verbose=args.verbose)
     except InfeasibleError as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
         return 2

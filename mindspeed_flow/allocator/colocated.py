@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from . import memory
 from .candidates import LazyPool, Rejection, divisors
 from .memory import MemoryEstimate
-from .pipeline import HEAD_REGION, LAYERS_REGION, PipelineLayout, pipeline_step, step_lower_bound
+from .pipeline import HEAD_REGION, LAYERS_REGION, PipelineLayout, pipeline_step, planned_live, step_lower_bound
 from .proxy import ProxyModel
 from .specs import ClusterSpec, ModelSpec, Workload
 
@@ -113,14 +113,6 @@ def colocated_memory(model: ModelSpec, workload: Workload, tp: int, dp: int, mbs
     llm_split = (split[0] - model.encoder.layers,) + split[1:]
     return max((stage_memory(model, workload, tp, dp, mbs, s, len(split), count, live[s])
                 for s, count in enumerate(llm_split)), key=lambda m: m.total)
-
-
-def planned_live(stages: int, microbatches: int) -> tuple[int, ...]:
-    """Microbatches in flight per stage of a co-located 1F1B, ``min(stages - s,
-    microbatches)`` on stage ``s``: what :func:`.pipeline.in_flight` derives from the
-    simulator for these layouts, so that the split chosen before simulating passes the
-    memory check after it."""
-    return tuple(min(stages - s, microbatches) for s in range(stages))
 
 
 def layer_caps(model: ModelSpec, workload: Workload, limit: float, tp: int, dp: int, mbs: int, stages: int,

@@ -12,6 +12,9 @@ from .candidates import CandidateSet, Rejection
 from .specs import AllocatorError, ClusterSpec
 
 
+OWN_CONSTRAINTS = ("memory", "devices")  # checked per placement, not shared with co-located configs
+
+
 class InfeasibleError(AllocatorError):
     """No plan satisfies the constraints; ``reasons`` holds one line per binding constraint."""
 
@@ -45,9 +48,11 @@ def diagnose(found: CandidateSet, cluster: ClusterSpec, decoupled: bool = True) 
     only for what it rejected itself (TP, divisibility: checks co-located configs share),
     never for candidates that were simply not asked for."""
     reasons = []
+    # Co-located configs record their own memory and device-budget misses.
+    asked = found.rejections if decoupled else [r for r in found.rejections if r.constraint not in OWN_CONSTRAINTS]
     for module, left in (("encoder", found.encoders), ("backbone", found.backbones)):
-        if not left and (decoupled or any(r.module == module for r in found.rejections)):
-            reasons += module_reasons(module, found.rejections)
+        if not left and (decoupled or any(r.module == module for r in asked)):
+            reasons += module_reasons(module, asked)
     if any(r.module == "colocated" for r in found.rejections):
         reasons += module_reasons("colocated", found.rejections)
     if not decoupled or not found.encoders or not found.backbones:

@@ -29,6 +29,8 @@ from typing import Sequence
 import highspy
 import numpy as np
 
+from .quiet_highs import new_highs
+
 REL_TOL = 1e-7
 
 
@@ -47,6 +49,7 @@ class Choice:
 
 class AllocationMilp:
     """The model over given candidate rates and sizes; ``solve`` runs the three stages.
+    HiGHS prints nothing (not even its banner, :mod:`.quiet_highs`) unless ``verbose``.
 
     Candidates can be cut off (:meth:`exclude_backbone`, :meth:`exclude_joint`) to find
     runners-up.
@@ -55,7 +58,7 @@ class AllocationMilp:
     def __init__(self, production: Sequence[float], enc_devices: Sequence[int], enc_replicas: Sequence[int],
                  consumption: Sequence[float], bb_devices: Sequence[int], bb_replicas: Sequence[int],
                  budget: int, joint_rate: Sequence[float] = (), joint_devices: Sequence[int] = (),
-                 joint_replicas: Sequence[int] = ()) -> None:
+                 joint_replicas: Sequence[int] = (), *, verbose: bool = False) -> None:
         self.p = np.asarray(production, dtype=float)
         self.c = np.asarray(consumption, dtype=float)
         self.r = np.asarray(joint_rate, dtype=float)
@@ -63,8 +66,7 @@ class AllocationMilp:
         self.db = np.asarray(bb_devices, dtype=float)
         self.dj = np.asarray(joint_devices, dtype=float)
         ne, nb, nj = len(self.p), len(self.c), len(self.r)
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = new_highs(verbose)
         h.setOptionValue("mip_rel_gap", 0.0)
         h.setOptionValue("mip_abs_gap", 0.0)
         h.setOptionValue("threads", 1)

@@ -106,6 +106,18 @@ def simulated(layout: PipelineLayout, microbatches: int, costs: tuple[RegionCost
                         in_flight(layout, tuple(result.peak_live[r] for r in sorted(result.peak_live))))
 
 
+def planned_live(stages: int, microbatches: int) -> tuple[int, ...]:
+    """Microbatches in flight per stage of a 1F1B pipeline, ``min(stages - s,
+    microbatches)`` on stage ``s``, known before simulating.  ``OneFOneB`` orders stage
+    ``s`` as ``min(stages - s - 1, microbatches)`` warm-up forwards, then one more forward
+    before its first backward, so the stage holds this many microbatches at that moment:
+    the simulator (which counts held activations in program order) never reports fewer
+    (:func:`in_flight`), and with nothing but forward/backward pairs after it never more
+    (``test_planned_live_is_the_simulated_in_flight``).  Used to choose co-located splits
+    and to reject backbones over memory without simulating them."""
+    return tuple(min(stages - s, microbatches) for s in range(stages))
+
+
 def stage_seconds(layout: PipelineLayout, costs: tuple[RegionCost, ...], with_backward: bool) -> list[float]:
     """Compute seconds per microbatch of each stage: its layers at their region's per-layer
     time (forward, plus the backward of trainable regions when asked)."""

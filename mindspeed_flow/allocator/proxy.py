@@ -197,13 +197,12 @@ class ProxyModel:
 
     @staticmethod
     def backbone_memory(spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int, dp: int,
-                        live: tuple[int, ...] | None = None) -> MemoryEstimate:
-        """The fullest stage's memory with ``live[s]`` microbatches held on stage ``s``;
-        ``live=None`` gives a lower bound (one microbatch per stage) without simulating."""
+                        live: tuple[int, ...]) -> MemoryEstimate:
+        """The fullest stage's memory with ``live[s]`` microbatches held on stage ``s``."""
         split = uniform_split(spec.layers, pp)
         return max(
             (memory.stage_memory(spec, layers=split[s], tp=tp, dp=dp, samples=micro_batch,
-                                 live=(1 if live is None else live[s]) if spec.trainable else 0,
+                                 live=live[s] if spec.trainable else 0,
                                  first=s == 0, last=s == pp - 1,
                                  distributed_optimizer=workload.distributed_optimizer)
              for s in range(pp)),

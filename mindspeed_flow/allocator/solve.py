@@ -10,7 +10,7 @@ from .plan import COLOCATED, BackboneConfig, EncoderConfig, Plan, Prediction
 from .proxy import ProxyModel
 from .specs import GIB, ClusterSpec, ModelSpec, Workload
 
-FIRST_SIMULATED = 16  # candidates of each pool simulated before the first solve
+FIRST_SIMULATED = 1  # candidates of each pool simulated before the first solve (doubling while none fits)
 BOUND_SLACK = 1e-6  # relative: well above the MILP's lexicographic tolerance
 
 # A shape: placement, tp, pp, micro batch (runners-up differ in it).
@@ -21,12 +21,13 @@ def _shape(candidate, placement: str) -> Shape:
     return placement, candidate.tp, candidate.pp, candidate.micro_batch
 
 
-def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Shape]) -> AllocationMilp:
+def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Shape],
+               verbose: bool = False) -> AllocationMilp:
     """The MILP over the candidates simulated so far, with the ``excluded`` shapes cut off."""
     milp = AllocationMilp(
         [e.rate for e in found.encoders], [e.devices for e in found.encoders], [e.dp for e in found.encoders],
         [b.rate for b in found.backbones], [b.devices for b in found.backbones], [b.dp for b in found.backbones],
-        budget, [j.rate for j in joints], [j.devices for j in joints], [j.dp for j in joints],
+        budget, [j.rate for j in joints], [j.devices for j in joints], [j.dp for j in joints], verbose=verbose,
     )
     banned = [i for i, b in enumerate(found.backbones) if _shape(b, "decoupled") in excluded]
     if banned:
@@ -71,28 +72,36 @@ def to_plan(found: CandidateSet, joints: list, choice: Choice, model: ModelSpec,
 
 
 def _solve_lazily(found: CandidateSet, pools: list[LazyPool], joints: list, budget: int,
-                  excluded: list[Shape]) -> Choice | None:
+                  excluded: list[Shape], verbose: bool) -> Choice | None:
     """The MILP optimum over all candidates, simulating only those that could be part of
     it: after each solve with throughput ``T``, every pending candidate whose rate bound
     reaches ``T`` is simulated and the MILP solved again.  When none is left, the pending
     ones run at less than ``T`` and can be in no plan as good (nor, with ``T`` fixed, in
-    the mismatch and device stages)."""
+    the mismatch and device stages).  While no plan exists yet, the next best-bounded
+    candidates are simulated, twice as many each round, until one does or none is left."""
+    batch = FIRST_SIMULATED
     while True:
         choice = None
         if (found.encoders and found.backbones) or joints:
-            choice = build_milp(found, joints, budget, excluded).solve()
-        threshold = choice.throughput * (1 - BOUND_SLACK) if choice else 0.0
-        added = sum(pool.expand(threshold) for pool in pools)
-        if added == 0 and (choice is not None or not any(pool.pending for pool in pools)):
+            choice = build_milp(found, joints, budget, excluded, verbose).solve()
+        if choice is None:
+            if not any(pool.pending for pool in pools):
+                return None
+            for pool in pools:
+                pool.expand_first(batch)
+            batch *= 2
+        elif sum(pool.expand(choice.throughput * (1 - BOUND_SLACK)) for pool in pools) == 0:
             return choice
 
 
-def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, workload: Workload) -> Plan:
+def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, workload: Workload, *,
+          verbose: bool = False) -> Plan:
     """The plan that maximises global throughput (the smaller of encoder production and
     backbone consumption, samples/s), then minimises their mismatch, then the devices used;
     with ``workload.alternatives`` runners-up, each with another backbone shape.  With
     ``"colocated"`` in ``workload.placements`` the encoder may also sit inside the
-    backbone's stage 0 (one strategy for both, :mod:`.colocated`).
+    backbone's stage 0 (one strategy for both, :mod:`.colocated`).  HiGHS prints nothing
+    (not even its banner) unless ``verbose``.
 
     Raises :class:`~.diagnose.InfeasibleError` naming the binding constraint.
     """
@@ -105,10 +114,8 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
         pools.append(joint_pool)
     if "decoupled" not in workload.placements:
         pool.pending.clear()
-    for p in pools:
-        p.expand_first(FIRST_SIMULATED)
     excluded: list[Shape] = []
-    choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded)
+    choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded, verbose)
     if choice is None:
         raise InfeasibleError(diagnose(found, cluster_spec, "decoupled" in workload.placements))
     best = to_plan(found, joints, choice, model_spec, proxy, workload)
@@ -118,7 +125,7 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
             excluded.append(_shape(joints[choice.joint], COLOCATED))
         else:
             excluded.append(_shape(found.backbones[choice.backbone], "decoupled"))
-        choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded)
+        choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded, verbose)
         if choice is None:
             break
         runners_up.append(to_plan(found, joints, choice, model_spec, proxy, workload))
