@@ -208,6 +208,10 @@ def test_bad_json_entry_is_named_by_its_path(runs):
     data["ranks"][0]["colour"] = "red"
     with pytest.raises(MetricsError, match=r"ranks\[0\]: unknown key\(s\) \['colour'\]"):
         RunRecord.from_json(data)
+    data = runs[0].to_json()
+    del data["steps"][2]["loss"]
+    with pytest.raises(MetricsError, match=r"run 'baseline' steps\[2\]: .*missing .*'loss'"):
+        RunRecord.from_json(data)
 
 
 def test_run_names_must_be_distinct_file_names(runs, tmp_path):

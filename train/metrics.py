@@ -21,8 +21,8 @@ Rules for the derived numbers (the report's table states them too):
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Iterable, Sequence
 
 REGIONS = ("vit", "llm")
 COMPUTE_KINDS = ("F", "B", "W")
@@ -251,11 +251,14 @@ class RunRecord:
     def from_json(cls, d: dict[str, Any]) -> RunRecord:
         """Inverse of :meth:`to_json`; a bad entry is named by its path (``steps[2].intervals[0]``)."""
         run = f"run {d.get('name')!r}" if isinstance(d, dict) else "run"
-        kw = _fields(cls, d, run)
-        kw["steps"] = [_step_from_json(s, f"{run} steps[{i}]") for i, s in enumerate(kw["steps"])]
-        kw["ranks"] = [_build(RankRecord, r, f"{run} ranks[{i}]") for i, r in enumerate(kw["ranks"])]
-        kw["timeline"] = [_build(Interval, iv, f"{run} timeline[{i}]") for i, iv in enumerate(kw["timeline"])]
-        return _build(cls, kw, run, checked=True)
+
+        def step(entry: Any, where: str) -> StepOutcome:
+            return _build(StepOutcome, entry, where, intervals=lambda v: _intervals(v, f"{where}.intervals"))
+
+        return _build(cls, d, run,
+                      steps=lambda v: [step(s, f"{run} steps[{i}]") for i, s in enumerate(v)],
+                      ranks=lambda v: [_build(RankRecord, r, f"{run} ranks[{i}]") for i, r in enumerate(v)],
+                      timeline=lambda v: _intervals(v, f"{run} timeline"))
 
 
 def throughput_ratio(run: RunRecord, baseline: RunRecord) -> dict[str, float]:
@@ -267,33 +270,24 @@ def throughput_ratio(run: RunRecord, baseline: RunRecord) -> dict[str, float]:
             "tokens_per_s": over(run.tokens_per_s(), baseline.tokens_per_s())}
 
 
-def _fields(cls: type, d: Any, where: str) -> dict[str, Any]:
+def _build(cls: type, d: Any, where: str, **convert: Callable[[Any], Any]) -> Any:
+    """``cls(**d)`` from a JSON object, ``convert`` turning nested entries into records first."""
     if not isinstance(d, dict):
         raise MetricsError(f"{where}: expected a JSON object for {cls.__name__}, got {type(d).__name__}")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(d) - names)
+    unknown = sorted(set(d) - {f.name for f in fields(cls)})
     if unknown:
         raise MetricsError(f"{where}: unknown key(s) {unknown} for {cls.__name__}")
-    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-    missing = sorted(required - set(d))
-    if missing:
-        raise MetricsError(f"{where}: missing key(s) {missing} for {cls.__name__}")
-    return dict(d)
-
-
-def _build(cls: type, d: dict[str, Any], where: str, *, checked: bool = False) -> Any:
-    kw = d if checked else _fields(cls, d, where)
+    kw = {k: convert[k](v) if k in convert else v for k, v in d.items()}
     try:
         return cls(**kw)
+    except TypeError as e:  # a missing key
+        raise MetricsError(f"{where}: {e}") from None
     except MetricsError as e:
         raise MetricsError(f"{where}: {e}") from None
 
 
-def _step_from_json(d: Any, where: str) -> StepOutcome:
-    kw = _fields(StepOutcome, d, where)
-    kw["intervals"] = [_build(Interval, iv, f"{where}.intervals[{i}]")
-                       for i, iv in enumerate(kw.get("intervals", []))]
-    return _build(StepOutcome, kw, where, checked=True)
+def _intervals(entries: list[Any], where: str) -> list[Interval]:
+    return [_build(Interval, iv, f"{where}[{i}]") for i, iv in enumerate(entries)]
 
 
 def _close(a: float, b: float, rtol: float) -> bool:

@@ -162,6 +162,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def loss_curves(records: Sequence[RunRecord], path: Path, *, parity: ParityResult | None = None,
                 resume: ResumeResult | None = None) -> Path:
     """Step losses of every run; a panel each for the parity and resume comparisons when given."""
@@ -194,10 +201,7 @@ def loss_curves(records: Sequence[RunRecord], path: Path, *, parity: ParityResul
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def memory_chart(records: Sequence[RunRecord], path: Path) -> Path:
@@ -214,10 +218,7 @@ def memory_chart(records: Sequence[RunRecord], path: Path) -> Path:
     ax.set_xticklabels([f"r{k}" for k in range(world)])
     ax.set_ylabel("peak memory (MB)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_report(records: Sequence[RunRecord], out: Path, *, parity: ParityResult | None = None,
