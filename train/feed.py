@@ -11,6 +11,7 @@ feed yields exactly the steps the uninterrupted one would have, no sample twice.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -44,6 +45,21 @@ def ensure_corpus(cfg: "TrainConfig") -> Path:
     if not any(path.glob("*.json*")):
         make_demo_corpus(path, samples=cfg.data.samples, seed=cfg.data.seed)
     return path
+
+
+def with_tokenizer(cfg: "TrainConfig") -> "TrainConfig":
+    """``cfg`` with ``model.vocab_size`` and ``model.image_token_id`` taken from the corpus's
+    tokenizer where the config leaves them unset (0 / -1)."""
+    from mindspeed_flow.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None, ensure_corpus(cfg))
+    backend = tokenizer.backend
+    vocab = backend.get_vocab_size(with_added_tokens=True) if tokenizer.fast else len(backend)
+    model = cfg.model
+    model = dataclasses.replace(model, vocab_size=model.vocab_size if model.vocab_size > 0 else vocab,
+                                image_token_id=model.image_token_id if model.image_token_id >= 0
+                                else tokenizer.special.image_pad)
+    return dataclasses.replace(cfg, model=model)
 
 
 class StepFeed:

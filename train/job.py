@@ -67,7 +67,7 @@ class RankRun:
     name: str
     steps: list  # StepOutcome per step
     rank_record: Any  # RankRecord
-    info: dict = field(default_factory=dict)  # layout, features, plan_text
+    info: dict = field(default_factory=dict)  # layout, features, plan_text, device
     sample_ids: list[list[str]] = field(default_factory=list)  # per step
     seconds: float = 0.0
 
@@ -79,7 +79,7 @@ def _train(kind: str, cfg: "TrainConfig", env: "DistEnv", emit: Callable, *, pha
            steps: int, checkpoint_at: Optional[int] = None, resume_from: Optional[Path] = None) -> RankRun:
     """Build a trainer and a feed, train up to global step ``steps`` and close."""
     from mindspeed_flow.train.feed import StepFeed
-    from mindspeed_flow.train.flow import build_trainer
+    from mindspeed_flow.train.trainer import build_trainer
 
     started = time.perf_counter()
     trainer = build_trainer(kind, cfg, env, parity=parity)
@@ -100,17 +100,11 @@ def _train(kind: str, cfg: "TrainConfig", env: "DistEnv", emit: Callable, *, pha
             if checkpoint_at == data.step:
                 _save_checkpoint(cfg.checkpoint_path, trainer, feed, env, cfg)
         record = trainer.rank_record()
-        info = _run_info(trainer, kind)
+        info = {"layout": trainer.layout, "features": list(trainer.features), "plan_text": trainer.plan_text,
+                "device": env.device.type}
     finally:
         trainer.close()
     return RankRun(phase, outcomes, record, info, ids, time.perf_counter() - started)
-
-
-def _run_info(trainer: Any, kind: str) -> dict:
-    """Layout, features and plan text of a trainer (for the report's run record)."""
-    return {"layout": str(getattr(trainer, "layout_text", getattr(trainer, "layout", kind))),
-            "features": list(getattr(trainer, "features", [])),
-            "plan_text": getattr(trainer, "plan_text", None)}
 
 
 def _save_checkpoint(directory: Path, trainer: Any, feed: "StepFeed", env: "DistEnv", cfg: "TrainConfig") -> None:
@@ -200,7 +194,7 @@ def run_record(name: str, ranks: list[RankRun], world_size: int):
     timeline = [iv for r in ranks if r.steps for iv in r.steps[-1].intervals]
     return RunRecord(name=name, layout=first.info["layout"], world_size=world_size,
                      features=first.info["features"], plan_text=first.info["plan_text"], steps=first.steps,
-                     ranks=[r.rank_record for r in ranks], timeline=timeline)
+                     ranks=[r.rank_record for r in ranks], timeline=timeline, device=first.info["device"])
 
 
 def compare_parity(results: list[dict[str, RankRun]]):
@@ -236,14 +230,14 @@ def compare_resume(results: list[dict[str, RankRun]], cfg: "TrainConfig"):
 def main(args: argparse.Namespace) -> int:
     """``mindspeed-flow train``: see the module docstring."""
     from mindspeed_flow.train.config import as_dict, load_config
-    from mindspeed_flow.train.feed import ensure_corpus
+    from mindspeed_flow.train.feed import with_tokenizer
     from mindspeed_flow.train.launch import RankFailed, run_world
     from mindspeed_flow.train.warnings_log import summary
 
     cfg = load_config(args.config, steps=args.steps, world_size=args.nproc,
                       report_dir=str(args.report) if args.report is not None else None)
     phases = Phases.from_args(args)
-    ensure_corpus(cfg)  # before the ranks start, so they never race to make it
+    cfg = with_tokenizer(cfg)  # makes the corpus first if missing, before the ranks start
     print(f"mindspeed-flow train {args.config}: {cfg.layout.world_size} ranks, {cfg.steps} steps; phases: "
           f"{', '.join(phases.runs) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
           flush=True)
