@@ -152,14 +152,27 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _patch_current_device() -> Callable[[], None]:
-    original = torch.cuda.current_device
-    torch.cuda.current_device = _cpu_current_device
+def _cpu_synchronize(device: Any = None) -> None:
+    """Stand-in for ``torch.cuda.synchronize()``: Megatron's p2p calls it after exchanging
+    tensor shapes (``variable_seq_lengths``); CPU work is synchronous already."""
+
+
+def _swap_cuda_function(name: str, replacement: Callable) -> Callable[[], None]:
+    original = getattr(torch.cuda, name)
+    setattr(torch.cuda, name, replacement)
 
     def undo() -> None:
-        torch.cuda.current_device = original
+        setattr(torch.cuda, name, original)
 
     return undo
+
+
+def _patch_current_device() -> Callable[[], None]:
+    return _swap_cuda_function("current_device", _cpu_current_device)
+
+
+def _patch_synchronize() -> Callable[[], None]:
+    return _swap_cuda_function("synchronize", _cpu_synchronize)
 
 
 def _enter_cuda_to_cpu_mode() -> Callable[[], None]:
@@ -235,13 +248,14 @@ _ACTIVE: CpuShims | None = None
 _LOCK = threading.Lock()
 
 # Megatron is imported by the first shim, before any torch behaviour changes.
-_SHIMS = (_install_inference_rng_tracker, _patch_current_device, _enter_cuda_to_cpu_mode)
+_SHIMS = (_install_inference_rng_tracker, _patch_current_device, _patch_synchronize, _enter_cuda_to_cpu_mode)
 
 
 def enable_cpu_shims() -> CpuShims:
     """Apply every CPU shim megatron-core needs (see UPSTREAM.md) and return their handle.
 
-    - ``torch.cuda.current_device()`` returns the CPU device;
+    - ``torch.cuda.current_device()`` returns the CPU device, ``torch.cuda.synchronize()``
+      does nothing;
     - a torch function mode maps ``device="cuda"`` / ``torch.device("cuda")`` to the CPU for
       tensor factories and ``Tensor.to``, and makes ``Tensor.cuda()`` a no-op;
     - Megatron's RNG tracker becomes its inference tracker: correct **only with dropout 0**.

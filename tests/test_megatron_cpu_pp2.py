@@ -149,6 +149,7 @@ def test_shims_send_cuda_requests_to_the_cpu(shims):
     assert tensor.to("cuda").device.type == "cpu"
     assert tensor.to(device="cuda", dtype=torch.float64).dtype == torch.float64
     assert torch.cuda.current_device() == torch.device("cpu")
+    assert torch.cuda.synchronize() is None  # Megatron's variable_seq_lengths p2p calls it
     with tensor_parallel.get_cuda_rng_tracker().fork():  # the training tracker needs CUDA
         pass
 
@@ -166,6 +167,7 @@ def test_remove_restores_original_behaviour():
     from megatron.core.tensor_parallel import random as mp_random
 
     original_current_device = torch.cuda.current_device
+    original_synchronize = torch.cuda.synchronize
     original_tracker = mp_random._CUDA_RNG_STATE_TRACKER
     modes = len(torch.overrides._get_current_function_mode_stack())
 
@@ -176,6 +178,7 @@ def test_remove_restores_original_behaviour():
 
     assert not handle.active
     assert torch.cuda.current_device is original_current_device
+    assert torch.cuda.synchronize is original_synchronize
     assert mp_random._CUDA_RNG_STATE_TRACKER is original_tracker
     assert len(torch.overrides._get_current_function_mode_stack()) == modes
     with pytest.raises((AssertionError, RuntimeError)):  # no CUDA on this machine
