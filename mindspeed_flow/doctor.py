@@ -3,8 +3,10 @@
 Against the installed upstream it imports each target module (so the answer is what a job
 would meet); with ``--src DIR`` it reads a source checkout with :mod:`ast` and imports
 nothing, which is how MindSpeed and MindSpeed-MM (not pip-installable, NPU-only imports)
-are checked from a clone.  Given plugin flags it first activates the plugin, so the table
-shows which targets were actually swapped.
+are checked from a clone; given a MindSpeed-MM tree it also checks the plugin's launch
+example (``scripts/mindspeed_mm/``, or ``--launch-script``) against the flags the trees
+declare (:mod:`mindspeed_flow.patching.launch_check`).  Given plugin flags it first
+activates the plugin, so the table shows which targets were actually swapped.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -20,6 +23,7 @@ from typing import Any, Mapping, Sequence
 from mindspeed_flow.config import add_flow_arguments, flags_requested
 from mindspeed_flow.patching import Patch, PatchStatus
 from mindspeed_flow.patching.check import check_installed, check_source
+from mindspeed_flow.patching.launch_check import report_launch_scripts
 from mindspeed_flow.patching.status import APPLIED, SKIPPED, format_table
 
 
@@ -88,6 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--feature", action="append", default=[], metavar="NAME",
                         help="only this feature's patches (repeatable)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    parser.add_argument("--launch-script", action="append", type=Path, default=[], metavar="SH",
+                        help="with --src: check this MindSpeed-MM launch script's flags and files (repeatable; "
+                             "default: the plugin's examples in scripts/mindspeed_mm/; findings go to stderr "
+                             "under --json)")
     add_flow_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -113,4 +121,5 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         print(f"\n{len(rows)} patch(es), {failures} required target(s) missing or changed")
         print("\n" + pool_report())
         print("\n" + binding_report())
-    return 1 if any(r.is_failure for r in rows) else 0
+    launch_failed = report_launch_scripts(args.src, args.launch_script, out=sys.stderr if args.json else sys.stdout)
+    return 1 if any(r.is_failure for r in rows) or launch_failed else 0
