@@ -171,6 +171,15 @@ def test_write_report_writes_every_file_with_the_records_numbers(runs, tmp_path)
     assert format_table(runs) in summary and "flowtrain plan\nline 2" in summary
 
 
+def test_a_parity_only_report_draws_what_ran(tmp_path):
+    parity = ParityResult.compare([1, 2], [2.0, 1.5], [2.0, 1.6])
+    out = write_report([], tmp_path, parity=parity)
+    assert sorted(p.name for p in out.iterdir()) == ["loss_curves.png", "metrics.json", "summary.md"]
+    summary = (out / "summary.md").read_text()
+    assert "parity FAIL" in summary and "resume: not run" in summary
+    assert json.loads((out / "metrics.json").read_text())["parity"]["flowtrain"] == [2.0, 1.6]
+
+
 def test_gantt_draws_one_bar_per_interval_where_it_ran(runs, tmp_path):
     run = runs[0]
     bars = timeline_gantt(run, tmp_path / "g.png")

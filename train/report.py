@@ -113,7 +113,9 @@ def read_records(path: Path) -> list[RunRecord]:
 
 def _summary(records: Sequence[RunRecord], parity: ParityResult | None, resume: ResumeResult | None,
              charts: Sequence[str]) -> str:
-    out = ["# Training report", "", "```", format_table(records), "```", ""]
+    out = ["# Training report", ""]
+    if records:
+        out += ["```", format_table(records), "```", ""]
     out += ["## Checks", ""]
     out.append(f"- {parity.verdict()}" if parity else "- parity: not run")
     out.append(f"- {resume.verdict()}" if resume else "- resume: not run")
@@ -170,33 +172,36 @@ def _save(plt: Any, fig: Any, path: Path) -> Path:
 
 
 def loss_curves(records: Sequence[RunRecord], path: Path, *, parity: ParityResult | None = None,
-                resume: ResumeResult | None = None) -> Path:
-    """Step losses of every run; a panel each for the parity and resume comparisons when given."""
+                resume: ResumeResult | None = None) -> Path | None:
+    """Step losses of the runs, and a panel each for the parity and resume comparisons when
+    given; nothing is written (``None``) when there is nothing to draw."""
+    solid, dashed = {"marker": "o"}, {"marker": ".", "linestyle": "--"}
+    # (title, curves as (label, steps, losses, style), step after which a line is drawn)
+    panels: list[tuple[str, list[tuple[str, list[int], list[float], dict]], int | None]] = []
+    if records:
+        panels.append(("step loss", [(r.name, [s.step for s in r.steps], r.losses(), {"marker": "."})
+                                     for r in records], None))
+    if parity is not None:
+        panels.append((f"parity {'PASS' if parity.passed else 'FAIL'}: max rel dev {parity.max_rel_deviation:.1e}",
+                       [("baseline (same packs)", parity.steps, parity.baseline, solid),
+                        ("flowtrain (same packs)", parity.steps, parity.flowtrain, dashed)], None))
+    if resume is not None:
+        panels.append((f"resume {'PASS' if resume.passed else 'FAIL'} ({resume.run}): "
+                       f"max dev {resume.max_abs_deviation:.1e}",
+                       [("uninterrupted", resume.steps, resume.uninterrupted, solid),
+                        ("stopped + resumed", resume.steps, resume.resumed, dashed)], resume.stop_step))
+    if not panels:
+        return None
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    panels = 1 + (parity is not None) + (resume is not None)
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
-    ax = axes[0][0]
-    for r in records:
-        ax.plot([s.step for s in r.steps], r.losses(), marker=".", label=r.name)
-    ax.set_title("step loss", fontsize=10)
-    panel = 1
-    if parity is not None:
-        ax = axes[0][panel]
-        panel += 1
-        ax.plot(parity.steps, parity.baseline, marker="o", label="baseline (same packs)")
-        ax.plot(parity.steps, parity.flowtrain, marker=".", linestyle="--", label="flowtrain")
-        ax.set_title(f"parity {'PASS' if parity.passed else 'FAIL'}: max rel dev {parity.max_rel_deviation:.1e}",
-                     fontsize=10)
-    if resume is not None:
-        ax = axes[0][panel]
-        ax.plot(resume.steps, resume.uninterrupted, marker="o", label="uninterrupted")
-        ax.plot(resume.steps, resume.resumed, marker=".", linestyle="--", label="stopped + resumed")
-        ax.axvline(resume.stop_step + 0.5, color="0.5", linewidth=0.8)
-        ax.set_title(f"resume {'PASS' if resume.passed else 'FAIL'} ({resume.run}): "
-                     f"max dev {resume.max_abs_deviation:.1e}", fontsize=10)
-    for ax in axes[0]:
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, curves, stop) in zip(axes[0], panels):
+        for label, steps, losses, style in curves:
+            ax.plot(steps, losses, label=label, **style)
+        if stop is not None:
+            ax.axvline(stop + 0.5, color="0.5", linewidth=0.8)
+        ax.set_title(title, fontsize=10)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
@@ -223,7 +228,11 @@ def memory_chart(records: Sequence[RunRecord], path: Path) -> Path:
 
 def write_report(records: Sequence[RunRecord], out: Path, *, parity: ParityResult | None = None,
                  resume: ResumeResult | None = None) -> Path:
-    """Write the report folder ``out`` (created if needed) and return it."""
+    """Write the report folder ``out`` (created if needed) and return it.
+
+    The charts of what ran: no Gantt or memory chart without run records (a parity-only
+    job), no loss curves without records, parity or resume.
+    """
     names = [r.name for r in records]
     if len(set(names)) != len(names) or not all(re.fullmatch(r"[\w.-]+", n) for n in names):
         raise ValueError(f"write_report: run names name the Gantt files, so they must be distinct words "
@@ -231,10 +240,12 @@ def write_report(records: Sequence[RunRecord], out: Path, *, parity: ParityResul
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics_json(records, parity=parity, resume=resume), indent=1))
-    charts = [loss_curves(records, out / "loss_curves.png", parity=parity, resume=resume).name]
+    curves = loss_curves(records, out / "loss_curves.png", parity=parity, resume=resume)
+    charts = [curves.name] if curves else []
     for r in records:
         timeline_gantt(r, out / f"gantt_{r.name}.png")
         charts.append(f"gantt_{r.name}.png")
-    charts.append(memory_chart(records, out / "memory.png").name)
+    if records:
+        charts.append(memory_chart(records, out / "memory.png").name)
     (out / "summary.md").write_text(_summary(records, parity, resume, charts))
     return out
