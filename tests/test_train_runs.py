@@ -1,0 +1,207 @@
+"""The main job's two runs on 4 gloo ranks: the baseline (PP=2 x DP=2, ViT in stage 0,
+megatron-core's own 1F1B) and FlowTrain (2 ViT replicas + a PP=2 GPT over the shm pool).
+
+Fed the same packs (parity mode) their step losses agree with each other and with one
+process training the whole VLM with one AdamW (dense masks, no schedule): the gradients
+both runs hand the optimizer are the step loss's.  The padded baseline (samples one per
+row) gives the same first loss.  A trainer that loads another's checkpoint after step 2
+continues exactly: same step-3 loss, same weights and optimizer moments after step 3.
+The baseline's measured timeline has one F and one B per microbatch per stage; FlowTrain's
+has the pool's PUT and GET.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
+)
+
+WORLD = 4
+STEPS = 3
+SAVE_AFTER = 2
+VOCAB = 64
+IMAGE_TOKEN = VOCAB - 1
+PACKS_PER_STEP = 4
+
+
+def _config():
+    from mindspeed_flow.train.config import DataConfig, LayoutConfig, OptimConfig, TrainConfig
+    from mindspeed_flow.train.model import ModelConfig
+
+    model = ModelConfig(vit_hidden=16, vit_layers=1, vit_heads=2, llm_hidden=32, llm_layers=2, llm_heads=4,
+                        llm_ffn=64, vocab_size=VOCAB, image_token_id=IMAGE_TOKEN, seed=7)
+    return TrainConfig(model=model, data=DataConfig(capacity=96, packs_per_step=PACKS_PER_STEP, micro_batch_size=2),
+                       layout=LayoutConfig(world_size=WORLD, baseline_pp=2, use_allocator=True, flow_encoder_dp=2,
+                                           flow_backbone_pp=2, flow_backbone_dp=1, max_ahead=2, pool_backend="shm"),
+                       optim=OptimConfig(lr=1e-2), steps=STEPS, resume_at=SAVE_AFTER)
+
+
+def _sample(index: int, g: torch.Generator):
+    """A sample with 1 or 2 images of 4 merged tokens each (a 1x4x4 patch grid) and text."""
+    from mindspeed_flow.data.decode import Sample
+
+    images = 1 + index % 2
+    text = int(torch.randint(5, 14, (), generator=g))
+    ids = torch.cat([torch.full((4 * images,), IMAGE_TOKEN), torch.randint(0, VOCAB - 1, (text,), generator=g)])
+    labels = ids.clone()
+    labels[: 4 * images] = -100
+    return Sample(index, f"synthetic:{index}", ids, labels, torch.arange(len(ids)).expand(3, -1).clone(),
+                  torch.randint(0, 256, (16 * images, 1176), generator=g, dtype=torch.uint8),
+                  torch.tensor([[1, 4, 4]] * images))
+
+
+def _steps():
+    """``STEPS + 1`` steps of ``PACKS_PER_STEP`` packs of 1 to 3 samples."""
+    from mindspeed_flow.data.batch import collate_pack
+    from mindspeed_flow.train.batches import count_loss_tokens
+    from mindspeed_flow.train.feed import StepData
+
+    g = torch.Generator().manual_seed(3)
+    steps, index = [], 0
+    for step in range(1, STEPS + 2):
+        packs = []
+        for _ in range(PACKS_PER_STEP):
+            n = int(torch.randint(1, 4, (), generator=g))
+            packs.append(collate_pack([_sample(index + k, g) for k in range(n)]))
+            index += n
+        steps.append(StepData(step, packs, count_loss_tokens(packs)))
+    return steps
+
+
+def _reference(steps, cfg) -> list[float]:
+    """The whole VLM in this process alone (PP=1), dense masks, one AdamW: step losses."""
+    from mindspeed_flow.train.batches import from_pack
+    from mindspeed_flow.train.model import StageModule, build_gpt_stage, init_vision_encoder
+
+    model = StageModule(build_gpt_stage(cfg.model, [cfg.model.llm_layers], 0, packed=False),
+                        vit=init_vision_encoder(cfg.model, conv_matmul=False, varlen=False))
+    opt = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    losses = []
+    for data in steps:
+        optimizer.zero_grad(set_to_none=True)
+        loss = sum(model(from_pack(p, data.loss_tokens, "dense")).sum() / data.loss_tokens for p in data.packs)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _flat(trainer) -> torch.Tensor:
+    """Every weight and AdamW moment of this rank, flattened."""
+    state = trainer.optimizer.state
+    parts = [t.reshape(-1) for p in trainer.parameters() for t in (p.detach(), state[p]["exp_avg"],
+                                                                    state[p]["exp_avg_sq"])]
+    return torch.cat(parts).clone()
+
+
+def _worker(rank, world_size):
+    from megatron.core import parallel_state
+
+    from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
+    from mindspeed_flow.train.launch import DistEnv
+    from mindspeed_flow.train.trainer import build_trainer, destroy_megatron_parallel
+
+    shims = enable_cpu_shims()
+    try:
+        cfg, steps = _config(), _steps()
+        env = DistEnv(rank, world_size, rank, torch.device("cpu"), "gloo", cpu=True)
+        out = {}
+        for kind in ("baseline", "flowtrain"):
+            trainer = build_trainer(kind, cfg, env, parity=True)
+            outcomes = [trainer.train_step(data) for data in steps[:SAVE_AFTER]]
+            saved = trainer.state_dict()
+            outcomes += [trainer.train_step(data) for data in steps[SAVE_AFTER:STEPS]]
+            after = _flat(trainer)
+            info = {"role": trainer.role, "plan_text": trainer.plan_text, "layout": trainer.layout,
+                    "record": trainer.rank_record()}
+            trainer.close()
+            resumed = build_trainer(kind, cfg, env, parity=True)
+            resumed.load_state_dict(saved)
+            again = [resumed.train_step(data) for data in steps[SAVE_AFTER:STEPS]]
+            info.update(outcomes=outcomes, resumed=again, same_after_resume=torch.equal(after, _flat(resumed)))
+            resumed.close()
+            out[kind] = info
+        padded = build_trainer("baseline", cfg, env, parity=False)
+        out["padded"] = padded.train_step(steps[0])
+        padded.close()
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=1)
+        try:
+            out["reference"] = _reference(steps[:STEPS], cfg) if rank == 0 else None
+        finally:
+            destroy_megatron_parallel()
+        return out
+    finally:
+        shims.remove()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    from megatron_cpu_harness import launch
+
+    return launch(_worker, WORLD, timeout_s=300)
+
+
+def _losses(outcomes):
+    return [o.loss for o in outcomes]
+
+
+def test_parity_losses_equal_each_other_and_single_process(ranks):
+    reference = ranks[0]["reference"]
+    for kind in ("baseline", "flowtrain"):
+        for rank in ranks:  # every rank reports the step loss
+            assert _losses(rank[kind]["outcomes"]) == _losses(ranks[0][kind]["outcomes"])
+    baseline, flow = (_losses(ranks[0][k]["outcomes"]) for k in ("baseline", "flowtrain"))
+    for got in (baseline, flow):
+        assert got[0] == pytest.approx(reference[0], rel=1e-5, abs=0)
+        assert got[1:] == pytest.approx(reference[1:], rel=1e-4, abs=0)
+    assert flow[0] == pytest.approx(baseline[0], rel=1e-5, abs=0)
+    assert flow[1:] == pytest.approx(baseline[1:], rel=1e-4, abs=0)
+
+
+def test_padded_baseline_has_the_same_first_loss_and_counts_padding(ranks):
+    padded, packed = ranks[0]["padded"], ranks[0]["baseline"]["outcomes"][0]
+    assert padded.loss == pytest.approx(packed.loss, rel=1e-5, abs=0)
+    assert (padded.samples, padded.tokens) == (packed.samples, packed.tokens)
+    assert packed.padded_tokens == packed.tokens < padded.padded_tokens
+
+
+def test_resume_continues_exactly(ranks):
+    for kind in ("baseline", "flowtrain"):
+        for rank, got in enumerate(ranks):
+            run = got[kind]
+            assert _losses(run["resumed"]) == _losses(run["outcomes"][SAVE_AFTER:]), (kind, rank)
+            assert run["same_after_resume"], (kind, rank)
+
+
+def test_baseline_timeline_has_one_forward_and_backward_per_microbatch_per_stage(ranks):
+    microbatches = PACKS_PER_STEP // 2  # each of the 2 data-parallel replicas
+    for rank, got in enumerate(ranks):
+        for outcome in got["baseline"]["outcomes"]:
+            computes = sorted((iv.kind, iv.microbatch) for iv in outcome.intervals if iv.kind in ("F", "B"))
+            assert computes == sorted((k, m) for k in "FB" for m in range(microbatches)), rank
+            assert all(0 <= iv.start <= iv.end <= outcome.step_s for iv in outcome.intervals)
+        record = got["baseline"]["record"]
+        assert 0 < record.busy_s < record.step_s and 0 < record.idle_fraction < 1 and record.peak_memory_mb > 0
+
+
+def test_flow_timeline_has_pool_puts_and_gets(ranks):
+    roles = [got["flowtrain"]["role"] for got in ranks]
+    assert [r.split()[0] for r in roles] == ["ViT", "ViT", "LLM", "LLM"]
+    for rank in (0, 1, 2):  # the ViT replicas and the first LLM stage meet in the pool
+        kinds = {iv.kind for iv in ranks[rank]["flowtrain"]["outcomes"][0].intervals}
+        assert {"F", "B", "PUT", "GET"} <= kinds, (rank, kinds)
+    vit_forwards = sorted(iv.microbatch for rank in (0, 1) for iv in ranks[rank]["flowtrain"]["outcomes"][0].intervals
+                          if iv.kind == "F")
+    assert vit_forwards == list(range(PACKS_PER_STEP))  # each microbatch's embeddings made once
+    assert "co-located" in ranks[0]["flowtrain"]["plan_text"]  # 4 CPU ranks: the allocator co-locates

@@ -1,0 +1,92 @@
+"""The baseline run, MindSpeed-MM style: the ViT inside pipeline stage 0 of the LLM,
+megatron-core's own 1F1B, padded microbatches under dense masks, Conv3d patch embedding.
+
+Layout: PP = ``layout.baseline_pp`` x DP = ``world_size / PP`` from Megatron's
+``initialize_model_parallel``.  Each data-parallel replica trains its contiguous share of
+the step's packs: their samples padded ``data.micro_batch_size`` per microbatch, or, in
+parity mode, the packs themselves as dense block-diagonal microbatches (the same
+microbatches FlowTrain runs, only the attention differs).  The schedule is
+``forward_backward_pipelining_without_interleaving`` with ``variable_seq_lengths`` (every
+microbatch has its own shape) and ``calculate_per_token_loss`` (each microbatch's loss is
+already its share of the step loss, Megatron divides by nothing: see
+:mod:`mindspeed_flow.train.model`); the replicas' gradients are summed, so they are exactly
+those of the step loss.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mindspeed_flow.train.stamps import MegatronStamps
+from mindspeed_flow.train.trainer import (LocalStep, Trainer, destroy_megatron_parallel, even_split,
+                                          replica_share, sum_grads, to_device)
+
+if TYPE_CHECKING:
+    from mindspeed_flow.train.config import TrainConfig
+    from mindspeed_flow.train.feed import StepData
+    from mindspeed_flow.train.launch import DistEnv
+
+
+class BaselineTrainer(Trainer):
+    name = "baseline"
+    features = ("1F1B (megatron-core)", "ViT in stage 0", "padded microbatches", "dense masks", "Conv3d")
+
+    def __init__(self, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> None:
+        from megatron.core import parallel_state
+
+        from mindspeed_flow.train.model import StageModule, build_gpt_stage, init_vision_encoder
+
+        super().__init__(cfg, env, parity=parity)
+        pp = cfg.layout.baseline_pp
+        if env.world_size % pp:
+            raise ValueError(f"layout.baseline_pp={pp} does not divide the world of {env.world_size} ranks")
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.replica = parallel_state.get_data_parallel_rank()
+        self.replicas = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.last_stage = self.stage == pp - 1
+        layers = even_split(cfg.model.llm_layers, pp)
+        gpt = build_gpt_stage(cfg.model, layers, self.stage, packed=False)
+        vit = init_vision_encoder(cfg.model, conv_matmul=False, varlen=False) if self.stage == 0 else None
+        self.model = StageModule(gpt, vit=vit).to(env.device)
+        self.modules = {"stage": self.model}
+        self.role = f"pp{self.stage} dp{self.replica}" + (" (ViT + LLM)" if vit is not None else " (LLM)")
+        self.layout = f"PP={pp} x DP={self.replicas}, ViT in stage 0, LLM layers {layers}"
+        self.stamps = MegatronStamps(env.rank)
+        self.stamps.install()
+        self.make_optimizer()
+
+    def microbatches(self, data: "StepData") -> list:
+        from mindspeed_flow.train.batches import from_pack, padded_microbatches
+
+        packs = [data.packs[i] for i in replica_share(len(data.packs), self.replica, self.replicas)]
+        if self.parity:
+            return [from_pack(p, data.loss_tokens, "dense") for p in packs]
+        return padded_microbatches(packs, self.cfg.data.micro_batch_size, data.loss_tokens,
+                                   image_token_id=self.cfg.model.image_token_id)
+
+    def forward_backward(self, data: "StepData") -> LocalStep:
+        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+        from mindspeed_flow.train.model import forward_step
+
+        batches = [to_device(b, self.env.device) for b in self.microbatches(data)]
+        count = len(batches)
+        store = get_forward_backward_func()(
+            forward_step_func=self.stamps.forward_step(forward_step), data_iterator=iter(batches),
+            model=self.model, num_microbatches=count,
+            seq_length=max(b.input_ids.shape[1] for b in batches),
+            micro_batch_size=max(b.input_ids.shape[0] for b in batches), forward_only=False)
+        loss = sum(float(item["loss"]) for item in store) if self.last_stage else 0.0
+        padded = sum(b.padded_tokens for b in batches) if self.stage == 0 else 0
+        return LocalStep(loss, padded)
+
+    def reduce_grads(self) -> None:
+        with self.stamps.timed("llm", "REDUCE"):
+            sum_grads(self.parameters(), self.dp_group)
+
+    def close(self) -> None:
+        self.stamps.remove()
+        destroy_megatron_parallel()
+

@@ -1,0 +1,258 @@
+"""The FlowTrain run: packs as microbatches, the allocator's layout, the decoupled schedule
+over the memory pool, varlen attention and Conv->Matmul.
+
+Encoder ranks run the ViT (``PatchEmbedMatmul``, varlen attention within each image) and
+``PUT`` each microbatch's embeddings into the pool; the backbone ranks are megatron-core's
+GPT cut into pipeline stages (packed THD batches through the plugin's ``fused_attn`` patch,
+no dense mask), whose first stage ``GET``s the embeddings and ``PUT``s their gradients back
+(:class:`~mindspeed_flow.pool.decoupled.DecoupledLayout`, run by
+:class:`~mindspeed_flow.runtime.Executor`).  Each backbone replica trains its contiguous
+share of the step's packs.  Each microbatch's loss is its share of the step loss and the
+executor divides by nothing (``calculate_per_token_loss``, as the baseline's Megatron);
+``grad_scale_func`` multiplies by the backbone replica count, which
+:meth:`DecoupledLayout.average_grads` divides by, so the gradients are exactly those of the
+step loss, as in the baseline.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mindspeed_flow.train.stamps import executor_intervals
+from mindspeed_flow.train.trainer import (LocalStep, Trainer, destroy_megatron_parallel, replica_share,
+                                          to_device)
+
+if TYPE_CHECKING:
+    from mindspeed_flow.pool.decoupled import DecoupledLayout
+    from mindspeed_flow.train.config import TrainConfig
+    from mindspeed_flow.train.feed import StepData
+    from mindspeed_flow.train.launch import DistEnv
+
+FUSED_ATTN = "fused_attn"
+# The CPU cluster and measured profile the allocator plans the tiny model on.
+ALLOCATOR_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "allocator" / "tiny_cpu.yaml"
+_POOL_MIN_BYTES = 8 << 20
+_instances = iter(range(1 << 30))
+
+
+@dataclass(frozen=True)
+class FlowLayout:
+    """Where FlowTrain puts the model: the decoupled layout, the LLM layers per backbone
+    stage, and how it was chosen (the allocator's plan, or why the config's layout)."""
+
+    decoupled: "DecoupledLayout"
+    layer_split: tuple[int, ...]
+    plan_text: str
+
+    def describe(self) -> str:
+        d = self.decoupled
+        return (f"ViT DP={d.encoder_dp * d.backbone_dp} (decoupled) | LLM PP={d.backbone_pp} x DP={d.backbone_dp}, "
+                f"layers {list(self.layer_split)}")
+
+
+def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
+    """The allocator's plan when ``layout.use_allocator`` and the plan is one a
+    :class:`DecoupledLayout` of ``world_size`` ranks runs; otherwise the config's
+    ``flow_encoder_dp`` / ``flow_backbone_pp`` / ``flow_backbone_dp``, with the reason."""
+    from mindspeed_flow.pool.decoupled import DecoupledLayout
+    from mindspeed_flow.train.trainer import even_split
+
+    lay = cfg.layout
+    reason = "layout.use_allocator is false"
+    if lay.use_allocator:
+        plan, reason = allocator_plan(cfg, world_size)
+        if plan is not None:
+            b = plan.backbone
+            decoupled = DecoupledLayout(encoder_dp=plan.encoder.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp,
+                                        max_ahead=lay.max_ahead, encoder_layers=cfg.model.vit_layers,
+                                        backbone_layers=cfg.model.llm_layers)
+            return FlowLayout(decoupled, tuple(b.layer_split), f"allocator plan used: {describe_plan(plan)}")
+    decoupled = DecoupledLayout(encoder_dp=lay.flow_encoder_dp, backbone_pp=lay.flow_backbone_pp,
+                                backbone_dp=lay.flow_backbone_dp, max_ahead=lay.max_ahead,
+                                encoder_layers=cfg.model.vit_layers, backbone_layers=cfg.model.llm_layers)
+    if decoupled.world_size != world_size:
+        raise ValueError(f"layout: flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp) = "
+                         f"{decoupled.world_size} ranks, but the world has {world_size}")
+    check_megatron_placement(decoupled)
+    split = tuple(even_split(cfg.model.llm_layers, decoupled.backbone_pp))
+    return FlowLayout(decoupled, split, f"config layout (flow_encoder_dp/flow_backbone_pp/flow_backbone_dp): {reason}")
+
+
+def check_megatron_placement(layout: "DecoupledLayout") -> None:
+    """Megatron's pipelines are consecutive ranks (``order="tp-cp-ep-pp-dp"``): the encoder
+    ranks in front must fill whole pipelines so that each backbone replica is one of them."""
+    encoders = len(layout.encoder_ranks)
+    if encoders % layout.backbone_pp:
+        raise ValueError(f"FlowTrain layout: {encoders} encoder ranks in front of the backbone are not a multiple of "
+                         f"backbone_pp={layout.backbone_pp}, so Megatron's pipelines (consecutive ranks) would not "
+                         "line up with the backbone's stages")
+
+
+def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
+    """``(plan, "")`` when the allocator's best plan for the tiny model on ``world_size``
+    CPU devices (TP 1) is realisable here, else ``(None, why not)``."""
+    from mindspeed_flow.allocator import (AllocatorError, InfeasibleError, ModelSpec, ModuleSpec, Profile,
+                                          ProxyModel, Workload, load_config, solve)
+    from mindspeed_flow.allocator.plan import DECOUPLED
+    from mindspeed_flow.pool.decoupled import DecoupledLayout
+
+    if not ALLOCATOR_CONFIG.is_file():
+        return None, f"the allocator's CPU profile config {ALLOCATOR_CONFIG} is not there (installed without configs/)"
+    m = cfg.model
+    tokens = cfg.data.capacity  # one allocator sample = one pack
+    model = ModelSpec(
+        encoder=ModuleSpec(layers=m.vit_layers, hidden=m.vit_hidden, heads=m.vit_heads, ffn=4 * m.vit_hidden,
+                           tokens_per_sample=tokens, gated=False),
+        backbone=ModuleSpec(layers=m.llm_layers, hidden=m.llm_hidden, heads=m.llm_heads, ffn=m.llm_ffn,
+                            tokens_per_sample=tokens, vocab=max(m.vocab_size, 1), gated=False),
+        name="tiny VLM (train config)")
+    try:
+        base = load_config(ALLOCATOR_CONFIG)
+        cluster = replace(base.cluster, devices=world_size)
+        workload = replace(base.workload, global_batch=cfg.data.packs_per_step, tp_choices=(1,), alternatives=0)
+        plan = solve(model, cluster, ProxyModel(Profile.load(base.profile), cluster), workload)
+    except (InfeasibleError, AllocatorError, OSError) as exc:
+        return None, f"the allocator found no plan ({exc})"
+    text = describe_plan(plan)
+    b, e = plan.backbone, plan.encoder
+    if plan.placement != DECOUPLED:
+        return None, f"the allocator's plan is co-located (ViT inside stage 0), not a decoupled layout: {text}"
+    if e.tp != 1 or b.tp != 1:
+        return None, f"the allocator's plan uses tensor parallelism, which the CPU run does not: {text}"
+    if e.dp % b.dp:
+        return None, f"the plan's {e.dp} encoder replicas do not split over its {b.dp} backbone replicas: {text}"
+    if plan.devices != world_size:
+        return None, f"the plan uses {plan.devices} of the {world_size} ranks: {text}"
+    layout = DecoupledLayout(encoder_dp=e.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp)
+    try:
+        check_megatron_placement(layout)
+    except ValueError as exc:
+        return None, f"{exc}: {text}"
+    return plan, ""
+
+
+def describe_plan(plan: Any) -> str:
+    e, b, p = plan.encoder, plan.backbone, plan.predicted
+    return (f"{plan.placement}: encoder dp={e.dp} tp={e.tp}; backbone pp={b.pp} dp={b.dp} tp={b.tp} "
+            f"layers {list(b.layer_split)}; predicted {p.throughput:.3g} samples/s, bubble {p.bubble_fraction:.0%}")
+
+
+class FlowTrainer(Trainer):
+    name = "flowtrain"
+    features = ("packing loader", "allocator plan", "decoupled schedule over the pool", "varlen attention",
+                "Conv->Matmul")
+
+    def __init__(self, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from mindspeed_flow.pool import open_pool
+        from mindspeed_flow.runtime import Executor
+        from mindspeed_flow.train.model import StageModule, build_gpt_stage, init_vision_encoder
+
+        super().__init__(cfg, env, parity=parity)
+        chosen = flow_layout(cfg, env.world_size)
+        self.decoupled = layout = chosen.decoupled
+        self.layout, self.plan_text = chosen.describe(), chosen.plan_text
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=layout.backbone_pp,
+                                                 order="tp-cp-ep-pp-dp")
+        self.groups = layout.new_groups()
+        role = layout.role(env.rank)
+        self.region, self.stage = role[0], role[1]
+        self.replica = layout.replica(env.rank)
+        if self.region == "vit":
+            self.model = init_vision_encoder(cfg.model, conv_matmul=True, varlen=True).to(env.device)
+            self.role = f"ViT replica {env.rank} (decoupled)"
+        else:
+            gpt = build_gpt_stage(cfg.model, list(chosen.layer_split), self.stage, packed=True)
+            self.model = StageModule(gpt).to(env.device)
+            self.role = f"LLM pp{self.stage} dp{self.replica}"
+        self.modules = {self.region: self.model}
+        self.fused_attn = enable_fused_attn()
+        self.pool_name = pool_name(env.rank)
+        self.pool = open_pool(cfg.layout.pool_backend, capacity_bytes=pool_bytes(cfg), **self.pool_options())
+        ranks = layout.replica_ranks(self.replica)
+        self.executor = Executor(ranks.index(env.rank), ranks, group=self.groups["replica"], pool=self.pool)
+        self.plans: dict[int, Any] = {}
+        dist.barrier()  # every participant's pool is open before the first put
+        self.make_optimizer()
+
+    def pool_options(self) -> dict[str, Any]:
+        name = f"{self.pool_name}-b{self.replica}"  # one namespace per backbone replica
+        if self.cfg.layout.pool_backend == "torch":
+            return {"name": name, "group": self.groups["replica"]}
+        return {"name": name, "owner": f"rank{self.env.rank}"}
+
+    def forward_backward(self, data: "StepData") -> LocalStep:
+        from mindspeed_flow.runtime import Binding
+        from mindspeed_flow.train.batches import from_pack
+        from mindspeed_flow.train.model import forward_step, loss_rules
+
+        mine = replica_share(len(data.packs), self.replica, self.decoupled.backbone_dp)
+        plan = self.plans.get(len(mine))
+        if plan is None:
+            plan = self.plans[len(mine)] = self.decoupled.plan(len(mine))
+        batches = (to_device(from_pack(data.packs[i], data.loss_tokens, "varlen"), self.env.device) for i in mine)
+        replicas = self.decoupled.backbone_dp  # average_grads divides by it: undo that
+        rules = replace(loss_rules(), grad_scale_func=lambda loss: loss * replicas)
+        result = self.executor.run(plan, forward_step, {(self.region, self.stage): Binding(self.model, batches)},
+                                   loss=rules)
+        executor_intervals(self.stamps, result.timeline)
+        loss = sum(float(item["loss"]) for item in result.forward_data_store)
+        last = self.region == "llm" and self.stage == self.decoupled.backbone_pp - 1
+        first = self.region == "llm" and self.stage == 0
+        return LocalStep(loss if last else 0.0,
+                         sum(int(data.packs[i]["input_ids"].numel()) for i in mine) if first else 0)
+
+    def reduce_grads(self) -> None:
+        with self.stamps.timed(self.region, "REDUCE"):
+            self.decoupled.average_grads(self.model, self.groups)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        from mindspeed_flow.pool.shm import destroy
+
+        self.pool.close()
+        dist.barrier()  # nobody reads the pool any more
+        if self.cfg.layout.pool_backend == "shm" and self.env.rank == 0:
+            destroy(self.pool_name)
+        if self.fused_attn is not None:
+            self.fused_attn.remove()
+        destroy_megatron_parallel()
+
+
+def enable_fused_attn() -> Any:
+    """Turn on the ``fused_attn`` patch of megatron-core's attention (varlen for packed
+    batches) unless the plugin's registry already has it on; returns the registry to
+    remove in ``close()`` (``None`` when it was already on)."""
+    from mindspeed_flow.activation import current_registry
+    from mindspeed_flow.patches import fused_attn
+    from mindspeed_flow.patching import PatchRegistry
+
+    active = current_registry()
+    if active is not None and FUSED_ATTN in active.enabled:
+        return None
+    registry = PatchRegistry([p for p in fused_attn.PATCHES if p.module.startswith("megatron.")])
+    registry.enable({FUSED_ATTN})
+    return registry
+
+
+def pool_name(rank: int) -> str:
+    """A name no other job or run on this host uses: rank 0's pid and a per-process run
+    counter, broadcast (collective)."""
+    import torch.distributed as dist
+
+    token = [f"train{os.getpid()}x{next(_instances)}" if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return str(token[0])
+
+
+def pool_bytes(cfg: "TrainConfig") -> int:
+    """What one rank puts at most: the embeddings (or their gradients) of the microbatches
+    in flight, a pack of ``data.capacity`` tokens each, fp32."""
+    in_flight = (cfg.layout.max_ahead or cfg.data.packs_per_step) + 1
+    return max(_POOL_MIN_BYTES, 2 * in_flight * cfg.data.capacity * cfg.model.llm_hidden * 4)

@@ -1,0 +1,273 @@
+"""What both runs share on one rank: the optimizer, the step loop around a run's forward and
+backward, gradient reduction, checkpointing and the rank's measured record.
+
+A run (:class:`~mindspeed_flow.train.baseline.BaselineTrainer`,
+:class:`~mindspeed_flow.train.flow.FlowTrainer`) only builds its modules and runs one step's
+forward and backward; everything that must be *the same* in both runs lives here, so that
+parity and the report compare the runs and not two training loops:
+
+- ``torch.optim.AdamW`` per rank over the rank's parameters, the config's hyperparameters;
+- every trainable parameter ends the step with a gradient (zeros where nothing reached it),
+  so AdamW treats a parameter the same way whichever run or replica computed nothing for it;
+- the step loss is the loss convention's (sum of per-token CE over the step / the step's
+  loss tokens), all-reduced so every rank reports the same number;
+- a checkpoint is the rank's model, optimizer and RNG states: a trainer that loads it
+  continues exactly as the one that wrote it would have.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import torch
+
+from mindspeed_flow.train.metrics import RankRecord, StepOutcome
+from mindspeed_flow.train.stamps import StepStamps
+
+if TYPE_CHECKING:
+    from mindspeed_flow.train.config import TrainConfig
+    from mindspeed_flow.train.feed import StepData
+    from mindspeed_flow.train.launch import DistEnv
+
+RUNS = ("baseline", "flowtrain")
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint written by another run or layout than the trainer loading it."""
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """What a run's forward and backward of one step left on this rank.
+
+    ``loss``: this rank's share of the step loss (its last-stage microbatches' losses, 0
+    elsewhere); ``padded_tokens``: this rank's share of the tokens the step computed, counted
+    once per replica (0 on the other ranks of a replica).  Both are summed over the world.
+    """
+
+    loss: float
+    padded_tokens: int
+
+
+class Trainer:
+    """One run on one rank; subclasses set ``name``, ``role``, ``layout``, ``features``,
+    ``plan_text`` and ``modules`` and implement :meth:`forward_backward` and
+    :meth:`reduce_grads`, then call :meth:`make_optimizer`."""
+
+    name: str = ""
+    features: tuple[str, ...] = ()
+
+    def __init__(self, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.parity = parity
+        self.role = ""
+        self.layout = ""
+        self.plan_text: str | None = None
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.stamps = StepStamps(env.rank)
+        self.outcomes: list[StepOutcome] = []
+
+    # ------------------------------------------------------------------ for subclasses
+
+    def forward_backward(self, data: "StepData") -> LocalStep:
+        """This rank's forward and backward of the step; gradients exactly those of the step
+        loss once :meth:`reduce_grads` has run."""
+        raise NotImplementedError
+
+    def reduce_grads(self) -> None:
+        """Combine the replicas' gradients into the global batch's."""
+        raise NotImplementedError
+
+    def make_optimizer(self) -> None:
+        opt = self.cfg.optim
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                           weight_decay=opt.weight_decay)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for m in self.modules.values() for p in m.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, data: "StepData") -> StepOutcome:
+        import torch.distributed as dist
+
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}: make_optimizer() was not called after building the modules")
+        dist.barrier()  # one origin for every rank's intervals
+        origin = time.monotonic()
+        self.stamps.start(origin)
+        for module in self.modules.values():
+            module.zero_grad(set_to_none=True)
+        local = self.forward_backward(data)
+        fill_missing_grads(self.parameters())
+        self.reduce_grads()
+        self.optimizer.step()
+        totals = torch.tensor([local.loss, float(local.padded_tokens)], dtype=torch.float64, device=self.env.device)
+        dist.all_reduce(totals)
+        step_s = time.monotonic() - origin
+        outcome = StepOutcome(step=data.step, loss=float(totals[0]), samples=sum(len(p["sample_ids"]) for p in data.packs),
+                              tokens=sum(int(p["input_ids"].numel()) for p in data.packs),
+                              padded_tokens=int(round(float(totals[1]))), step_s=step_s,
+                              intervals=list(self.stamps.intervals))
+        self.outcomes.append(outcome)
+        return outcome
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model, optimizer and RNG states (copies: training on does not change them)."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}: nothing to save before make_optimizer()")
+        return {"run": self.name, "layout": self.layout, "rank": self.env.rank,
+                "model": {name: _copied(m.state_dict()) for name, m in self.modules.items()},
+                "optimizer": _copied(self.optimizer.state_dict()), "rng": rng_state(self.env.device)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of the same run, layout and rank."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}: make_optimizer() before loading a checkpoint")
+        mine = {"run": self.name, "layout": self.layout, "rank": self.env.rank}
+        theirs = {k: state.get(k) for k in mine}
+        if theirs != mine:
+            raise CheckpointMismatch(f"checkpoint of {theirs} cannot be loaded by {mine}")
+        if set(state["model"]) != set(self.modules):
+            raise CheckpointMismatch(f"checkpoint holds modules {sorted(state['model'])}, rank {self.env.rank} of "
+                                     f"{self.name} has {sorted(self.modules)}")
+        for name, module in self.modules.items():
+            module.load_state_dict(state["model"][name], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"], self.env.device)
+
+    # ------------------------------------------------------------------ measurement and teardown
+
+    def rank_record(self) -> RankRecord:
+        return RankRecord.measure(self.env.rank, self.role, peak_memory_mb(self.env.device), self.outcomes)
+
+    def close(self) -> None:
+        """Undo what the run installed in this process (subclasses extend it)."""
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A :class:`~mindspeed_flow.train.batches.ModelBatch` with its tensors on ``device``
+    (the batch itself on the CPU)."""
+    import dataclasses
+
+    if device.type == "cpu":
+        return batch
+    moved = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return dataclasses.replace(batch, **moved)
+
+
+def fill_missing_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def sum_grads(params: Sequence[torch.nn.Parameter], group: Any) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat all-reduce."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def replica_share(count: int, replica: int, replicas: int) -> list[int]:
+    """Replica ``replica``'s contiguous share of ``count`` items (the first ``count %
+    replicas`` replicas take one more); every replica needs at least one."""
+    if count < replicas:
+        raise ValueError(f"{count} microbatches in the step cannot feed {replicas} data-parallel replicas: "
+                         f"raise data.packs_per_step to at least {replicas}")
+    base, extra = divmod(count, replicas)
+    start = replica * base + min(replica, extra)
+    return list(range(start, start + base + (replica < extra)))
+
+
+def even_split(layers: int, stages: int) -> list[int]:
+    """Layers per pipeline stage, as even as possible, earlier stages first."""
+    if layers < stages:
+        raise ValueError(f"{layers} LLM layers cannot fill {stages} pipeline stages")
+    base, extra = divmod(layers, stages)
+    return [base + (s < extra) for s in range(stages)]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank: the CUDA allocator's peak on a GPU, else the process's
+    peak resident set (``ru_maxrss``, kilobytes on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _copied(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copied(v) for v in obj]
+    return obj
+
+
+def destroy_megatron_parallel() -> None:
+    """``destroy_model_parallel``, plus the group-rank lists it leaves behind (0.12 and
+    0.16): the next initialisation sets them only on their groups' members, so a rank left
+    out would still believe it is in the group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    for leaked in ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS"):
+        if hasattr(parallel_state, leaked):
+            setattr(parallel_state, leaked, None)
+
+
+def build_trainer(kind: str, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> Trainer:
+    """The ``kind`` run (``"baseline"`` or ``"flowtrain"``) on this rank; collective: every
+    rank calls it at the same point."""
+    if kind == "baseline":
+        from mindspeed_flow.train.baseline import BaselineTrainer
+
+        return BaselineTrainer(cfg, env, parity=parity)
+    if kind == "flowtrain":
+        from mindspeed_flow.train.flow import FlowTrainer
+
+        return FlowTrainer(cfg, env, parity=parity)
+    raise ValueError(f"unknown run {kind!r}: choose one of {', '.join(RUNS)}")
