@@ -69,20 +69,21 @@ def make_env(rank: int, world_size: int, local_rank: int, local_ranks: int) -> D
 
 
 def run_world(worker: Worker, world_size: int, *args: Any, on_event: Optional[Event] = None,
-              timeout_s: float = 1800.0) -> Optional[tuple[list[Any], Noise]]:
+              timeout_s: float = 1800.0, megatron: bool = True) -> Optional[tuple[list[Any], Noise]]:
     """Run ``worker(env, emit, *args)`` on every rank; ``emit(event)`` on rank 0 reaches
     ``on_event`` in the reporting process (on the other ranks it does nothing).  Returns the ranks' results (by rank) and their
     merged noise in the reporting process (the parent, or rank 0 under torchrun); None on
-    the other torchrun ranks."""
+    the other torchrun ranks.  ``megatron=False``: a worker that never touches megatron-core
+    (no CPU shims, so megatron is not imported)."""
     if under_torchrun():
-        return _run_torchrun(worker, args, on_event, timeout_s)
-    return _run_spawned(worker, world_size, args, on_event, timeout_s)
+        return _run_torchrun(worker, args, on_event, timeout_s, megatron)
+    return _run_spawned(worker, world_size, args, on_event, timeout_s, megatron)
 
 
 # ---------------------------------------------------------------------- one rank
 
 
-def _rank_session(env: DistEnv, init: Callable[[timedelta], None], timeout_s: float):
+def _rank_session(env: DistEnv, init: Callable[[timedelta], None], timeout_s: float, megatron: bool):
     """Join the group and apply the per-rank settings; returns the undo."""
     import torch.distributed as dist
 
@@ -93,7 +94,7 @@ def _rank_session(env: DistEnv, init: Callable[[timedelta], None], timeout_s: fl
         torch.cuda.set_device(env.device)
     init(timedelta(seconds=timeout_s))
     shims = None
-    if env.cpu:
+    if env.cpu and megatron:
         from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
 
         shims = enable_cpu_shims()
@@ -108,7 +109,7 @@ def _rank_session(env: DistEnv, init: Callable[[timedelta], None], timeout_s: fl
 
 
 def _bootstrap(rank: int, world_size: int, port: int, timeout_s: float, worker: Worker, args: tuple,
-               results: Any) -> None:
+               results: Any, megatron: bool) -> None:
     """Child side of a spawned launch: run the worker under noise capture, send back
     ("done", rank, result bytes, noise) or ("error", rank, traceback, time)."""
     import torch.distributed as dist
@@ -127,7 +128,7 @@ def _bootstrap(rank: int, world_size: int, port: int, timeout_s: float, worker: 
     noise = Noise()
     try:
         with capture() as captured:
-            close = _rank_session(env, init, timeout_s)
+            close = _rank_session(env, init, timeout_s, megatron)
             try:
                 result = worker(env, emit, *args)
             finally:
@@ -141,7 +142,7 @@ def _bootstrap(rank: int, world_size: int, port: int, timeout_s: float, worker: 
 
 
 def _run_spawned(worker: Worker, world_size: int, args: tuple, on_event: Optional[Event],
-                 timeout_s: float) -> tuple[list[Any], Noise]:
+                 timeout_s: float, megatron: bool) -> tuple[list[Any], Noise]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -149,7 +150,7 @@ def _run_spawned(worker: Worker, world_size: int, args: tuple, on_event: Optiona
     results = ctx.Queue()
     store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
-    procs = [ctx.Process(target=_bootstrap, args=(rank, world_size, store.port, timeout_s, worker, args, results),
+    procs = [ctx.Process(target=_bootstrap, args=(rank, world_size, store.port, timeout_s, worker, args, results, megatron),
                          name=f"train-rank{rank}", daemon=True) for rank in range(world_size)]
     try:
         for proc in procs:
@@ -230,7 +231,7 @@ def _stop(procs: list) -> None:
 
 
 def _run_torchrun(worker: Worker, args: tuple, on_event: Optional[Event],
-                  timeout_s: float) -> Optional[tuple[list[Any], Noise]]:
+                  timeout_s: float, megatron: bool) -> Optional[tuple[list[Any], Noise]]:
     import torch.distributed as dist
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -248,7 +249,7 @@ def _run_torchrun(worker: Worker, args: tuple, on_event: Optional[Event],
 
     # rank 0 keeps the terminal for the progress bars; the others' output is counted
     with capture(redirect_fds=rank != 0) as captured:
-        close = _rank_session(env, init, timeout_s)
+        close = _rank_session(env, init, timeout_s, megatron)
         try:
             result = worker(env, emit, *args)
             gathered: list[Any] = [None] * world_size

@@ -104,11 +104,15 @@ def capture(redirect_fds: bool = True) -> Iterator[Capture]:
                 for fd in (1, 2):
                     saved_fds[fd] = os.dup(fd)
                     os.dup2(sink.fileno(), fd)
+                # Python-level writers too, wherever sys.stdout/stderr pointed before
+                sys.stdout = sys.stderr = open(sink.fileno(), "w", buffering=1, closefd=False)
             yield Capture(noise, terminal)
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        if sink is not None:
+            sys.stdout, sys.stderr = saved_streams
         for fd, saved in saved_fds.items():
             os.dup2(saved, fd)
             os.close(saved)

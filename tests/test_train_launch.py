@@ -1,0 +1,107 @@
+"""The main job's plumbing without a model: config errors name the file and the key, upstream
+noise is counted per message, and a failing rank stops every rank with its traceback."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from mindspeed_flow.train.config import ConfigError, load_config
+from mindspeed_flow.train.launch import RankFailed, run_world
+from mindspeed_flow.train.warnings_log import Noise, capture, summary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "ci.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(ROOT / "configs" / "train" / name)
+    assert cfg.layout.world_size % cfg.layout.baseline_pp == 0
+    assert 0 < cfg.resume_at < cfg.steps
+    assert cfg.checkpoint_path == Path(cfg.report_dir) / "checkpoint"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data:\n  capacty: 512\n", r"unknown key data\.capacty \(known in data: path, samples"),
+    ("data:\n  capacity: many\n", r"data\.capacity: expected int, got str 'many'"),
+    ("layout:\n  use_allocator: 1\n", r"layout\.use_allocator: expected bool, got int 1"),
+    ("optim:\n  betas: [0.9]\n", r"optim\.betas: expected a list of 2 numbers"),
+    ("model:\n  llm_layers: 2.5\n", r"model\.llm_layers: expected int, got float 2\.5"),
+    ("layout:\n  world_size: 3\n", r"layout\.baseline_pp: 2 does not divide layout\.world_size 3"),
+    ("steps: 4\nresume_at: 4\n", r"resume_at: must be between 1 and steps - 1 = 3, got 4"),
+    ("layout:\n  pool_backend: nfs\n", r"layout\.pool_backend: 'nfs' is not one of"),
+    ("- a\n- b\n", r"the top level must be a mapping"),
+    ("data: [1, 2\n", r"not valid YAML"),
+])
+def test_config_errors_name_the_file_and_the_key(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_config_overrides_and_float_strings(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("optim:\n  lr: 1e-3\nsteps: 5\n")  # YAML 1.1 reads 1e-3 as a string
+    cfg = load_config(path, steps=7, world_size=2)
+    assert cfg.optim.lr == 1e-3 and cfg.steps == 7 and cfg.layout.world_size == 2
+
+
+def test_capture_counts_warnings_logs_and_output_lines():
+    import logging
+
+    with capture() as captured:
+        for _ in range(3):
+            warnings.warn("Apex is not installed. Falling back to Torch Norm")
+        logging.getLogger("megatron.core").warning("no TE")
+        print("printed by upstream")
+        os.write(2, b"written to fd 2\n")
+    counts = {(k, m.split(" (")[0]): c for (k, m), c in captured.noise.counts.items()}
+    assert counts[("warning", "UserWarning: Apex is not installed. Falling back to Torch Norm")] == 3
+    assert counts[("log", "WARNING megatron.core: no TE")] == 1
+    assert counts[("output", "printed by upstream")] == 1
+    assert counts[("output", "written to fd 2")] == 1
+    merged = Noise.from_json(captured.noise.to_json()).merge(Noise.from_json(captured.noise.to_json()))
+    text = summary(merged, ranks=2)
+    assert text.count("Apex is not installed") == 1 and "   6x [warning]" in text
+
+
+def _fail_on_rank_one(env, emit, pid_dir):
+    Path(pid_dir, f"{env.rank}.pid").write_text(str(os.getpid()))
+    emit({"rank": env.rank})
+    if env.rank == 1:
+        raise ValueError("planted failure on rank 1")
+    time.sleep(120)  # rank 0 would hang here: the launcher must stop it
+    return env.rank
+
+
+def _rank_and_device(env, emit):
+    import torch.distributed as dist
+
+    emit({"rank": env.rank})
+    return env.rank, dist.get_world_size(), env.backend, env.device.type
+
+
+def test_spawned_ranks_return_results_and_only_rank_zero_reports():
+    events = []
+    results, noise = run_world(_rank_and_device, 2, on_event=events.append, timeout_s=120, megatron=False)
+    assert results == [(0, 2, "gloo", "cpu"), (1, 2, "gloo", "cpu")]
+    assert events == [{"rank": 0}]
+    assert isinstance(noise, Noise)
+
+
+def test_a_failing_rank_stops_every_rank_with_its_traceback(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 failed") as info:
+        run_world(_fail_on_rank_one, 2, str(tmp_path), timeout_s=120, megatron=False)
+    assert "ValueError: planted failure on rank 1" in str(info.value)
+    assert time.monotonic() - started < 100  # not the sleeping rank's 120 s
+    for rank in (0, 1):
+        pid = int((tmp_path / f"{rank}.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
