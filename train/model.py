@@ -186,6 +186,7 @@ class VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg.vit_hidden, cfg.vit_heads, varlen=varlen)
                                     for _ in range(cfg.vit_layers))
         self.merger = PatchMerger(cfg.vit_hidden, cfg.llm_hidden)
+        self.hidden = cfg.vit_hidden
 
     def set_input_tensor(self, tensors: list) -> None:
         """Schedules call this on every model; the encoder is a first region: nothing comes in."""
@@ -199,7 +200,7 @@ class VisionEncoder(nn.Module):
         if int(cu_seqlens[-1]) != pixels.shape[0]:
             raise ValueError(f"VisionEncoder: image_grid_thw covers {int(cu_seqlens[-1])} patches but pixel_values "
                              f"has {pixels.shape[0]} rows (samples {batch.sample_ids})")
-        x = self.patch_embed(pixels.view(-1, CHANNELS, *KERNEL)).reshape(pixels.shape[0], -1)
+        x = self.patch_embed(pixels.view(-1, CHANNELS, *KERNEL)).reshape(pixels.shape[0], self.hidden)
         for block in self.blocks:
             x = block(x, cu_seqlens)
         return self.merger(x)
