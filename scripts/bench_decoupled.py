@@ -128,7 +128,7 @@ def layout_plan(layout: str, microbatches: int):
         plan = compose([Region("vit", 1, skeleton), Region("llm", 2, skeleton)], microbatches)
         return plan, [[("vit", 0), ("llm", 0)], [("llm", 1)]], [0, 1]
     decoupled = DecoupledLayout(encoder_dp=int(layout.split("-")[1]), backbone_pp=2, max_ahead=4)
-    roles = [[decoupled.role(r)] for r in range(decoupled.world_size)]
+    roles = [[decoupled.role(r).binding] for r in range(decoupled.world_size)]
     return decoupled.plan(microbatches), roles, decoupled.backbone_ranks
 
 

@@ -5,6 +5,7 @@ again by the test.  The same functions run on every backend."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -211,3 +212,42 @@ def producer_death(ctx) -> dict:
         pool.close()
     raise AssertionError("get of a dead producer's key returned")
 
+
+
+def producer_death_mid_read(ctx) -> dict:
+    """``torch`` backend: rank 0 puts an object and dies at the moment its server starts
+    sending it to rank 1 (injected: its ``isend`` reports and never sends), so rank 1 is
+    inside ``get``, its receive posted, when the producer ends.  Rank 1 learns it, naming
+    rank 0, well inside its (long) timeout."""
+    pool = ctx.open(1 << 20)
+    if ctx.rank == 0:
+        serving = threading.Event()
+        pool.dist = _DeadBeforeSending(pool.dist, serving)
+        pool.put("mid", torch.arange(50_000, dtype=torch.float32))
+    ctx.barrier.wait()
+    if ctx.rank == 0:
+        assert serving.wait(30), "rank 1 never asked for the object"
+        raise Die()
+    start = time.monotonic()
+    try:
+        pool.get("mid", timeout=30)
+    except ProducerDied as exc:
+        return {"error": str(exc), "after_s": time.monotonic() - start}
+    finally:
+        pool.close()
+    raise AssertionError("get from a producer that died while serving it returned")
+
+
+class _DeadBeforeSending:
+    """``torch.distributed`` as the producer's pool server sees it, except that ``isend``
+    sets ``serving`` and blocks for good: the process is about to die mid-transfer."""
+
+    def __init__(self, dist, serving: threading.Event) -> None:
+        self._dist, self._serving = dist, serving
+
+    def __getattr__(self, name: str):
+        return getattr(self._dist, name)
+
+    def isend(self, *args, **kwargs):
+        self._serving.set()
+        threading.Event().wait()

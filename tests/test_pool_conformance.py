@@ -91,3 +91,20 @@ def test_unknown_and_unavailable_backends_fail_clearly():
     if not os.path.isdir("/usr/local/Ascend/driver"):
         with pytest.raises(BackendUnavailable, match="no Ascend driver"):
             open_pool("memfabric", capacity_bytes=1024)
+
+
+def test_torch_producer_death_mid_read():
+    """The review's case on the ``torch`` backend: the producer dies while the consumer is
+    reading (its request taken, its receive posted); the consumer's get fails naming the
+    producer within the liveness window, not after its 30 s timeout."""
+    reason = backend_status()["torch"]
+    if reason is not None:
+        pytest.fail(f"pool backend torch cannot run here: {reason}")
+    group = Cluster("torch", 2, {"name": f"midread{os.getpid()}"})
+    try:
+        died, out = group.run("producer_death_mid_read", timeout_s=60)
+    finally:
+        group.stop()
+    assert died == "died"
+    assert "producer rank0" in out["error"] and "[mid]" in out["error"], out["error"]
+    assert out["after_s"] < 10, out  # liveness 2 s

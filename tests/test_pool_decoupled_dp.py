@@ -45,7 +45,7 @@ def _data_parallel(rank, world_size, state, name):
         groups = LAYOUT.new_groups()
         spec, replica = _spec(), LAYOUT.replica(rank)
         mine = LAYOUT.microbatches(replica, MICROBATCHES)
-        region, stage = LAYOUT.role(rank)
+        region, stage, _ = LAYOUT.role(rank)
         if region == "vit":
             module = _vit(spec, frozen=False)
         else:
@@ -101,8 +101,8 @@ def runs():
 def test_layout_places_replicas_and_groups():
     assert LAYOUT.world_size == 6
     assert [LAYOUT.replica_ranks(r) for r in (0, 1)] == [[0, 2, 3], [1, 4, 5]]
-    assert [LAYOUT.role(r) for r in range(6)] == [("vit", 0), ("vit", 0), ("llm", 0), ("llm", 1), ("llm", 0),
-                                                   ("llm", 1)]
+    assert [LAYOUT.role(r) for r in range(6)] == [("vit", 0, 0), ("vit", 0, 0), ("llm", 0, 0), ("llm", 1, 0),
+                                                   ("llm", 0, 0), ("llm", 1, 0)]
     assert [LAYOUT.microbatches(r, 4) for r in (0, 1)] == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match="do not split over backbone_dp=2"):
         LAYOUT.microbatches(0, 3)

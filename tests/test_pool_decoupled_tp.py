@@ -1,110 +1,127 @@
-"""Decoupled training with a tensor-parallel encoder: one ViT replica split over a TP group
-of two gloo ranks (patch embedding column-parallel, layer row-parallel, projector
-replicated: :mod:`mindspeed_flow.pool.encoder_tp`), megatron-core's GPTModel cut over PP=2
-on two other ranks.  Both TP ranks hold the whole embeddings; only the TP leader is a rank
-of the plan and puts them into the shm pool, gets their gradient and broadcasts it; the
-other TP rank follows the leader's program.  Loss and every gradient (each TP rank's
-shard of the reference's) equal one process running the whole VLM (fp32, 1e-6)."""
+"""Decoupled training with tensor parallelism, against one process running the whole VLM
+(fp32, 1e-6): encoder DP x TP (two ViT replicas, each split over two ranks) feeding a
+GPT pipeline, and a tensor-parallel megatron-core GPT backbone (Megatron's own TP layers
+over gloo) fed by two ViT replicas.  Every TP rank runs its slice's plan
+(:meth:`DecoupledLayout.executor_ranks`); only TP leaders touch the shm pool and broadcast
+what they get (:mod:`pool_tensor_parallel`).  Each TP rank's gradients are its shard of
+the reference's; the encoder replicas reduce among same-TP-rank peers only."""
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import os
 
 import pytest
 import torch
-from torch import nn
 
 from mindspeed_flow.pool.decoupled import DecoupledLayout
+from pool_tensor_parallel import shard
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
     reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
 )
 
-SLICE = DecoupledLayout(encoder_dp=1, backbone_pp=2, max_ahead=2)
-TP = 2
-PLAN_RANKS = [0, 2, 3]  # plan rank -> global rank: the TP leader, then the GPT's stages
-SHARDS = {"vit.patch.weight": 0, "vit.patch.bias": 0, "vit.layer.weight": 1}  # else replicated
-
-
-class TensorParallelViT(nn.Module):
-    """``tiny_vlm.ViT``'s math with its patch and layer linears split over ``group``."""
-
-    def __init__(self, full: nn.Module, group) -> None:
-        super().__init__()
-        from mindspeed_flow.pool.encoder_tp import ColumnParallelLinear, RowParallelLinear
-
-        self.patch = ColumnParallelLinear(full.patch, group)
-        self.layer = RowParallelLinear(full.layer, group)
-        self.projector = copy.deepcopy(full.projector)
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        return self.projector(torch.tanh(self.layer(self.patch(batch["pixels"]))))
-
-
-def _tensor_parallel(rank, world_size, state, name):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron_cpu_harness import build_stage_model, global_name, layer_offset
-    from test_runtime_vlm import MICROBATCHES, _batches, _spec, _vit
-    from tiny_vlm import TextStage, forward_step
-
-    from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
-    from mindspeed_flow.pool import open_pool
-    from mindspeed_flow.pool.encoder_tp import LeaderOutput, follow
-    from mindspeed_flow.runtime import Binding, Executor
-
-    shims = enable_cpu_shims()
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=SLICE.backbone_pp,
-                                             order="tp-cp-ep-pp-dp")
-    try:
-        tp_group, plan_group = dist.new_group(list(range(TP))), dist.new_group(PLAN_RANKS)
-        spec, plan = _spec(), SLICE.plan(MICROBATCHES)
-        batches = _batches(spec)
-        if rank < TP:
-            vit = TensorParallelViT(_vit(spec, frozen=False), tp_group)
-            params = {f"vit.{n}": p for n, p in vit.named_parameters()}
-        if rank == 1:
-            follow(plan.programs[0], "vit", vit, batches, tp_group, leader=0)
-            return [], {n: p.grad.clone() for n, p in params.items()}
-        region, stage = SLICE.role(PLAN_RANKS.index(rank))
-        if region == "vit":
-            module = LeaderOutput(vit, tp_group, leader=0)
-        else:
-            gpt = build_stage_model(spec, state)
-            module = TextStage(gpt, stage == 0)
-            params = {f"gpt.{global_name(n, layer_offset(gpt))}": p for n, p in gpt.named_parameters()}
-        pool = open_pool("shm", capacity_bytes=1 << 20, name=name, owner=f"rank{rank}", timeout_s=60)
-        result = Executor(PLAN_RANKS.index(rank), PLAN_RANKS, group=plan_group, pool=pool).run(
-            plan, forward_step, {(region, stage): Binding(module, iter(batches))})
-        dist.barrier(plan_group)
-        pool.close()
-        return [float(d["loss"]) for d in result.forward_data_store], {n: p.grad.clone() for n, p in params.items()}
-    finally:
-        parallel_state.destroy_model_parallel()
-        shims.remove()
+LAYOUTS = {
+    # 2 ViT replicas x TP=2 on ranks 0-3 (same-TP-rank peers reduce), GPT TP=2 on ranks 4-5
+    # (Megatron's TP group; PP=1 keeps the world at 6: with PP=2 Megatron's blocks of
+    # TP x PP = 4 ranks need 4 encoder ranks per block, a world of 8)
+    "encoder-dp2-tp2.backbone-tp2": DecoupledLayout(encoder_dp=2, encoder_tp=2, backbone_tp=2, backbone_pp=1,
+                                                    max_ahead=2),
+}
+if os.environ.get("MINDSPEED_FLOW_POOL_TP_PP") == "1":  # 8 ranks, ~75 s here: run on demand
+    LAYOUTS["encoder-dp2-tp2.backbone-tp2-pp2"] = DecoupledLayout(encoder_dp=2, encoder_tp=2, backbone_tp=2,
+                                                                  backbone_pp=2, max_ahead=2)
 
 
 @pytest.fixture(scope="module")
-def runs():
-    from test_pool_decoupled_dp import launch_against_reference
+def reference():
+    from megatron_cpu_harness import launch
+    from test_pool_decoupled_vlm import _reference
 
-    name = f"vlmtp{os.getpid()}"
-    return launch_against_reference(_tensor_parallel, 4, name, [name])
+    (result,) = launch(_reference, 1, timeout_s=180)
+    return result
 
-def test_tensor_parallel_encoder_equals_single_process(runs):
-    (_, ref_losses, ref_grads), ranks = runs
-    assert ranks[3][0] == pytest.approx(ref_losses, rel=1e-6, abs=0)
-    vit = {n for n in ref_grads if n.startswith("vit.")}
-    assert set(ranks[0][1]) == set(ranks[1][1]) == vit
-    assert set(ranks[2][1]) | set(ranks[3][1]) | vit == set(ref_grads)
-    for rank, (_, grads) in enumerate(ranks):
-        for name, got in grads.items():
-            want = ref_grads[name]
-            if rank < TP and name in SHARDS:
-                want = want.chunk(TP, SHARDS[name])[rank]
-                assert got.shape[SHARDS[name]] * TP == ref_grads[name].shape[SHARDS[name]]
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def runs(request, reference):
+    from megatron_cpu_harness import launch
+    from pool_tensor_parallel import decoupled_worker
+
+    from mindspeed_flow.pool.shm import destroy
+
+    layout = LAYOUTS[request.param]
+    name = f"vlmtp{os.getpid()}{len(request.param)}"
+    try:
+        ranks = launch(decoupled_worker, layout.world_size, reference[0], name, layout, timeout_s=300)
+    finally:
+        for replica in range(layout.backbone_dp):
+            destroy(f"{name}-b{replica}")
+    return layout, reference, ranks
+
+
+def test_tensor_parallel_decoupled_step_equals_single_process(runs):
+    layout, (_, ref_losses, ref_grads), ranks = runs
+    names: set[str] = set()
+    sharded = {"vit": 0, "llm": 0}
+    for rank, out in enumerate(ranks):
+        role = layout.role(rank)
+        assert out["role"] == tuple(role)
+        last = role.region == "llm" and role.stage == layout.backbone_pp - 1
+        assert out["losses"] == (pytest.approx([ref_losses[m] for m in out["microbatches"]], rel=1e-6, abs=0)
+                                 if last else [])
+        tp = layout.encoder_tp if role.region == "vit" else layout.backbone_tp
+        for name, (got, dim) in out["grads"].items():
+            want = shard(ref_grads[name], dim, role.tp_rank, tp)
+            if dim is not None and tp > 1:
+                sharded[role.region] += 1
+                assert got.shape[dim] * tp == ref_grads[name].shape[dim], name
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"r{rank} {name}")
+        if role.region == "vit":
+            assert {n for n in out["grads"]} == {n for n in ref_grads if n.startswith("vit.")}
+        names |= set(out["grads"])
+    assert names == set(ref_grads)
+    assert bool(sharded["vit"]) == (layout.encoder_tp > 1) and bool(sharded["llm"]) == (layout.backbone_tp > 1)
 
+
+def test_only_tp_leaders_use_the_pool(runs):
+    layout, _, ranks = runs
+    for rank, out in enumerate(ranks):
+        role = layout.role(rank)
+        replica = layout.replica(rank)
+        plan_ranks = layout.executor_ranks(rank)
+        if role.tp_rank or role.stage:
+            assert out["gets"] == [], rank
+        elif role.region == "llm":  # embeddings of its microbatches, each from its replica's TP leader
+            assert sorted(out["gets"]) == [
+                ("vit.s0:act", m, f"rank{layout.encoder_rank(replica, m % layout.encoder_dp)}")
+                for m in range(len(out["microbatches"]))]
+        else:  # gradients back from the first backbone stage's TP leader
+            me = plan_ranks.index(rank)
+            assert sorted(out["gets"]) == [("vit.s0:grad", m, f"rank{layout.backbone_rank(replica, 0)}")
+                                           for m in range(len(out["microbatches"])) if m % layout.encoder_dp == me]
+
+
+def test_layout_places_tensor_parallel_ranks():
+    layout = LAYOUTS["encoder-dp2-tp2.backbone-tp2"]
+    assert layout.world_size == 6 and layout.encoder_ranks == [0, 1, 2, 3]
+    assert [layout.role(r) for r in range(6)] == [("vit", 0, 0), ("vit", 0, 1), ("vit", 0, 0), ("vit", 0, 1),
+                                                   ("llm", 0, 0), ("llm", 0, 1)]
+    assert [layout.executor_ranks(r) for r in range(6)] == [[0, 2, 4], [1, 3, 5]] * 3
+    assert [layout.tp_group_ranks(r) for r in (3, 4)] == [[2, 3], [4, 5]]
+    assert layout.megatron_parallel_kwargs() == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+                                                 "order": "tp-cp-ep-pp-dp"}
+    deep = DecoupledLayout(encoder_dp=2, encoder_tp=2, backbone_tp=2, backbone_pp=2, backbone_dp=2)
+    assert deep.world_size == 16
+    assert [deep.role(r) for r in (8, 9, 10, 11, 12)] == [("llm", 0, 0), ("llm", 0, 1), ("llm", 1, 0),
+                                                          ("llm", 1, 1), ("llm", 0, 0)]
+    # slice 1, TP rank 1: its encoder replicas' TP rank 1, then its stages' TP rank 1
+    assert deep.executor_ranks(15) == deep.executor_ranks(7) == [5, 7, 13, 15]
+    assert deep.replica(15) == deep.replica(4) == 1 and deep.replica(11) == 0
+    # one encoder TP rank: every backbone TP rank's executor sees the same encoder rank
+    assert [DecoupledLayout(encoder_dp=2, backbone_tp=2, backbone_pp=1).executor_ranks(r) for r in (2, 3)] == [
+        [0, 1, 2], [0, 1, 3]]
+    with pytest.raises(ValueError, match=r"2 encoder ranks are not a multiple of backbone_tp \* backbone_pp = 4"):
+        DecoupledLayout(encoder_dp=2, backbone_tp=2, backbone_pp=2).megatron_parallel_kwargs()
+    with pytest.raises(ValueError, match="must be >= 1, got {'encoder_tp': 0}"):
+        DecoupledLayout(encoder_tp=0)

@@ -54,7 +54,7 @@ def _decoupled(rank, world_size, state, name, mooncake):
     try:
         groups = LAYOUT.new_groups()
         spec, plan = _spec(), LAYOUT.plan(MICROBATCHES)
-        region, stage = LAYOUT.role(rank)
+        region, stage, _ = LAYOUT.role(rank)
         out = {}
         for backend in BACKENDS:
             if region == "vit":
