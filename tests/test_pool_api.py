@@ -6,6 +6,7 @@ the key."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -76,3 +77,46 @@ def test_decoupled_layout_roles_and_plan():
     assert "PUT" not in kinds[3] and "GET" not in kinds[3]
     with pytest.raises(ValueError, match="rank 4 outside"):
         layout.role(4)
+
+
+def _tensor_parallel_pool(rank, world_size):
+    """Rank 0 (the TP leader) holds a local pool; both ranks get through the TP view."""
+    import torch.distributed as dist
+
+    from mindspeed_flow.pool import PoolError
+    from mindspeed_flow.pool.tensor_parallel import TensorParallelPool
+
+    group = dist.new_group([0, 1])
+    pool = open_pool("local", capacity_bytes=1 << 12, name=f"tpview{os.getpid()}", owner="p0") if rank == 0 else None
+    view = TensorParallelPool(pool, group, leader=0)
+    if rank == 0:
+        view.put("k", torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), {"m": 1})
+    dropped = view.put("k2", torch.ones(2))  # the follower's put is dropped, the leader's kept
+    got = view.get("k", timeout=10)
+    view.release("k")
+    try:
+        view.get("missing", timeout=0.2)
+    except PoolError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    try:
+        TensorParallelPool(None if rank else pool, group, leader=1)
+    except ValueError as exc:
+        refused = str(exc)
+    dist.barrier()
+    out = {"got": got, "dropped": dropped, "error": error, "refused": refused,
+           "left": pool.ready("k") if pool else None, "k2": pool.ready("k2") if pool else None}
+    if pool is not None:
+        pool.close()
+    return out
+
+
+def test_tensor_parallel_pool_broadcasts_the_leaders_gets_and_errors():
+    from megatron_cpu_harness import launch
+
+    leader, follower = launch(_tensor_parallel_pool, 2, timeout_s=120)
+    for out in (leader, follower):
+        assert out["got"].equal(torch.arange(12, dtype=torch.bfloat16).reshape(3, 4))
+    assert follower["dropped"] is None and leader["k2"] is True and leader["left"] is False
+    assert leader["error"].startswith("PoolTimeout: pool get [missing]")
+    assert follower["error"].startswith("PoolError: pool get [missing] by TP leader rank 0 failed: PoolTimeout")
+    assert "the leader (rank 1) and only it opens the pool" in leader["refused"] + follower["refused"]
