@@ -69,6 +69,15 @@ def pool_report() -> str:
     return "\n".join(lines)
 
 
+def pool_rows(args: argparse.Namespace) -> list[dict]:
+    """``doctor --json``'s rows for the pool backends (feature ``pool``): whether each can
+    run on this machine; none under ``--src`` (a checkout says nothing about this machine)
+    or when ``--feature`` names other features only."""
+    from mindspeed_flow.pool.availability import POOL_FEATURE, backend_rows
+
+    return [] if args.src or (args.feature and POOL_FEATURE not in args.feature) else backend_rows()
+
+
 def binding_report(environ: Mapping[str, str] | None = None, **device: Any) -> str:
     """The core binding ``--flow-system`` would apply to this process (LOCAL_RANK / LOCAL_WORLD_SIZE).
 
@@ -114,7 +123,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             activate(argv)
         rows = check_installed_patches(patches)
     if args.json:
-        print(json.dumps([asdict(r) | {"failure": r.is_failure} for r in rows], indent=1))
+        print(json.dumps([asdict(r) | {"failure": r.is_failure} for r in rows] + pool_rows(args), indent=1))
     else:
         print(format_table(rows))
         failures = sum(r.is_failure for r in rows)

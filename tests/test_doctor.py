@@ -48,7 +48,7 @@ def doctor(args):
 
 def test_doctor_reports_real_statuses_against_installed_megatron_core():
     code, rows = doctor(["doctor", "--json"])
-    status = {key: row["status"] for key, row in rows.items()}
+    status = {key: row["status"] for key, row in rows.items() if key[0] != "pool"}  # pool: see below
     assert status == {
         ("schedule", "get_forward_backward_func"): "found",
         ("schedule", "forward_backward_no_pipelining"): "found",
@@ -63,6 +63,34 @@ def test_doctor_reports_real_statuses_against_installed_megatron_core():
     assert "expected (forward_step_func), found (*, forward_step_func" in changed["detail"]
     assert changed["version"].startswith("megatron-core 0.")
     assert rows[("allocator", "gone_but_optional")]["failure"] is False
+
+
+DOCTOR_WITHOUT_MOONCAKE_MASTER = '''
+import sys
+import mindspeed_flow.pool.mooncake as mooncake
+mooncake.master_binary = lambda: None  # as on a machine where mooncake_master is not installed
+from mindspeed_flow.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_doctor_json_has_a_row_per_pool_backend():
+    """``--flow-pool-backend`` choices: a row each, saying whether it can run here and why
+    not; none is a failure.  (``--feature schedule`` above leaves them out.)"""
+    from mindspeed_flow.pool import BACKENDS
+
+    proc = run_python(DOCTOR_WITHOUT_MOONCAKE_MASTER, ["doctor", "--json"])
+    every = json.loads(proc.stdout[proc.stdout.index("["):])
+    rows = {r["target"]: r for r in every if r["feature"] == "pool"}
+    assert list(rows) == [f"mindspeed_flow.pool:{b}" for b in BACKENDS]
+    assert all(set(r) == set(every[0]) and r["failure"] is False for r in rows.values())
+    assert rows["mindspeed_flow.pool:local"]["status"] == "available"
+    mooncake = rows["mindspeed_flow.pool:mooncake"]
+    assert mooncake["status"] == "unavailable"
+    assert "mooncake_master is not on PATH" in mooncake["detail"] or "cannot import mooncake.store" in mooncake["detail"]
+    if not os.path.isdir("/usr/local/Ascend/driver"):
+        assert rows["mindspeed_flow.pool:memfabric"]["status"] == "unavailable"
+        assert "no Ascend driver" in rows["mindspeed_flow.pool:memfabric"]["detail"]
 
 
 def test_doctor_with_flags_applies_and_says_applied():
