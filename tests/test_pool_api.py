@@ -120,3 +120,25 @@ def test_tensor_parallel_pool_broadcasts_the_leaders_gets_and_errors():
     assert leader["error"].startswith("PoolTimeout: pool get [missing]")
     assert follower["error"].startswith("PoolError: pool get [missing] by TP leader rank 0 failed: PoolTimeout")
     assert "the leader (rank 1) and only it opens the pool" in leader["refused"] + follower["refused"]
+
+
+def test_memfabric_is_refused_with_its_reason_on_every_machine(tmp_path, monkeypatch):
+    """Off Ascend: no driver.  With a stand-in driver directory (the one thing that cannot
+    exist here): the missing package, then - package present - the unwritten data path."""
+    import importlib.util
+
+    from mindspeed_flow.pool import BackendUnavailable
+    from mindspeed_flow.pool import memfabric
+
+    monkeypatch.setattr(memfabric, "ASCEND_DRIVER", tmp_path / "no-driver")
+    with pytest.raises(BackendUnavailable, match="no Ascend driver .* runs only on Ascend NPUs"):
+        open_pool("memfabric", capacity_bytes=1024)
+    monkeypatch.setattr(memfabric, "ASCEND_DRIVER", tmp_path)  # stand-in for /usr/local/Ascend/driver
+    if importlib.util.find_spec("memfabric_hybrid") is None:
+        with pytest.raises(BackendUnavailable, match="memfabric_hybrid is not installed"):
+            open_pool("memfabric", capacity_bytes=1024)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "memfabric_hybrid" else real_find_spec(name, *a))
+    with pytest.raises(BackendUnavailable, match="no MemFabric data path yet"):
+        open_pool("memfabric", capacity_bytes=1024)
