@@ -74,8 +74,9 @@ def _steps():
     return steps
 
 
-def _reference(steps, cfg) -> list[float]:
-    """The whole VLM in this process alone (PP=1), dense masks, one AdamW: step losses."""
+def _reference(steps, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The whole VLM in this process alone (PP=1), dense masks, one AdamW: step losses and
+    the first step's gradients."""
     from mindspeed_flow.train.batches import from_pack
     from mindspeed_flow.train.model import StageModule, build_gpt_stage, init_vision_encoder
 
@@ -84,7 +85,7 @@ def _reference(steps, cfg) -> list[float]:
     opt = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                   weight_decay=opt.weight_decay)
-    losses = []
+    losses, grads = [], {}
     for data in steps:
         optimizer.zero_grad(set_to_none=True)
         loss = sum(model(from_pack(p, data.loss_tokens, "dense")).sum() / data.loss_tokens for p in data.packs)
@@ -92,9 +93,25 @@ def _reference(steps, cfg) -> list[float]:
         for p in model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        grads = grads or _named_grads(model)
         optimizer.step()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, grads
+
+
+def _named_grads(module) -> dict[str, torch.Tensor]:
+    """Gradients of a rank's module by global name (``gpt.decoder.layers.{global}...``,
+    ``vit...``), flattened (the matmul patch embedding holds the Conv3d kernel flat)."""
+    from mindspeed_flow.train.model import global_name, layer_offset
+
+    gpt = getattr(module, "gpt", None)
+    vit = module.vit if gpt is not None else module
+    grads = {}
+    if gpt is not None:
+        grads.update({f"gpt.{global_name(n, layer_offset(gpt))}": p.grad for n, p in gpt.named_parameters()})
+    if vit is not None:
+        grads.update({f"vit.{n}": p.grad for n, p in vit.named_parameters()})
+    return {name: g.detach().reshape(-1).clone() for name, g in grads.items()}
 
 
 def _flat(trainer) -> torch.Tensor:
@@ -119,12 +136,14 @@ def _worker(rank, world_size):
         out = {}
         for kind in ("baseline", "flowtrain"):
             trainer = build_trainer(kind, cfg, env, parity=True)
-            outcomes = [trainer.train_step(data) for data in steps[:SAVE_AFTER]]
+            outcomes = [trainer.train_step(steps[0])]
+            first_grads = _named_grads(trainer.model)
+            outcomes += [trainer.train_step(data) for data in steps[1:SAVE_AFTER]]
             saved = trainer.state_dict()
             outcomes += [trainer.train_step(data) for data in steps[SAVE_AFTER:STEPS]]
             after = _flat(trainer)
             info = {"role": trainer.role, "plan_text": trainer.plan_text, "layout": trainer.layout,
-                    "record": trainer.rank_record()}
+                    "record": trainer.rank_record(), "grads": first_grads}
             trainer.close()
             resumed = build_trainer(kind, cfg, env, parity=True)
             resumed.load_state_dict(saved)
@@ -157,7 +176,7 @@ def _losses(outcomes):
 
 
 def test_parity_losses_equal_each_other_and_single_process(ranks):
-    reference = ranks[0]["reference"]
+    reference, _ = ranks[0]["reference"]
     for kind in ("baseline", "flowtrain"):
         for rank in ranks:  # every rank reports the step loss
             assert _losses(rank[kind]["outcomes"]) == _losses(ranks[0][kind]["outcomes"])
@@ -167,6 +186,19 @@ def test_parity_losses_equal_each_other_and_single_process(ranks):
         assert got[1:] == pytest.approx(reference[1:], rel=1e-4, abs=0)
     assert flow[0] == pytest.approx(baseline[0], rel=1e-5, abs=0)
     assert flow[1:] == pytest.approx(baseline[1:], rel=1e-4, abs=0)
+
+
+def test_gradients_are_the_step_losses(ranks):
+    """Every rank's first-step gradients (after the runs' reductions) are the single
+    process's: AdamW hides a wrong gradient scale from the losses, this does not."""
+    _, reference = ranks[0]["reference"]
+    for kind in ("baseline", "flowtrain"):
+        seen = set()
+        for rank, got in enumerate(ranks):
+            for name, grad in got[kind]["grads"].items():
+                torch.testing.assert_close(grad, reference[name], rtol=1e-4, atol=1e-7, msg=f"{kind} r{rank} {name}")
+                seen.add(name)
+        assert seen == set(reference), (kind, set(reference) ^ seen)
 
 
 def test_padded_baseline_has_the_same_first_loss_and_counts_padding(ranks):
