@@ -112,6 +112,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     from mindspeed_flow.patches import activate, all_patches
 
+    if args.launch_script and not args.src:
+        raise SystemExit("doctor: --launch-script needs --src (the MindSpeed-MM and MindSpeed checkouts)")
     patches = [p for p in all_patches() if not args.feature or p.feature in args.feature]
     if args.src:
         missing = [str(d) for d in args.src if not d.is_dir()]
