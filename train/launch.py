@@ -194,11 +194,17 @@ def _collect(procs: list, results: Any, on_event: Optional[Event], deadline: flo
             _drain_errors(results, errors, grace_s=1.0)
             break
     if errors:
-        raised_at, rank, tb = min(errors)
-        others = sorted({r for _, r, _ in errors} - {rank})
-        raise RankFailed(f"rank {rank} failed (first of {len(errors)} failing rank(s)"
-                         f"{'; then ' + str(others) if others else ''}; every rank was stopped):\n{tb}")
+        errors.sort()
+        _, rank, tb = errors[0]
+        then = "".join(f"\n  then rank {r}: {_last_line(t)}" for _, r, t in errors[1:])
+        raise RankFailed(f"rank {rank} failed first; every rank was stopped:\n{tb}"
+                         + (f"(the other failing ranks, in order:{then})" if then else ""))
     return [done[r] for r in range(len(procs))], noise
+
+
+def _last_line(tb: str) -> str:
+    lines = [line for line in tb.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no traceback)"
 
 
 def _drain_errors(results: Any, errors: list, grace_s: float) -> None:
