@@ -42,6 +42,14 @@ def _config():
                        optim=OptimConfig(lr=1e-2), steps=STEPS, resume_at=SAVE_AFTER)
 
 
+def _backbone_dp_config(cfg):
+    """FlowTrain as 2 slices of (1 ViT rank + a 1-stage GPT): backbone data parallelism."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, use_allocator=False, flow_encoder_dp=1,
+                                                               flow_backbone_pp=1, flow_backbone_dp=2))
+
+
 def _sample(index: int, g: torch.Generator):
     """A sample with 1 or 2 images of 4 merged tokens each (a 1x4x4 patch grid) and text."""
     from mindspeed_flow.data.decode import Sample
@@ -127,13 +135,15 @@ def _worker(rank, world_size):
 
     from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
     from mindspeed_flow.train.launch import DistEnv
-    from mindspeed_flow.train.trainer import build_trainer, destroy_megatron_parallel
+    from mindspeed_flow.train.trainer import build_trainer, destroy_megatron_parallel, peak_memory_mb
 
     shims = enable_cpu_shims()
     try:
         cfg, steps = _config(), _steps()
         env = DistEnv(rank, world_size, rank, torch.device("cpu"), "gloo", cpu=True)
-        out = {}
+        ballast = torch.ones(64 << 20)  # 256 MB that no run's peak may include
+        out = {"peak_before": peak_memory_mb(env.device)}
+        del ballast
         for kind in ("baseline", "flowtrain"):
             trainer = build_trainer(kind, cfg, env, parity=True)
             outcomes = [trainer.train_step(steps[0])]
@@ -154,6 +164,10 @@ def _worker(rank, world_size):
         padded = build_trainer("baseline", cfg, env, parity=False)
         out["padded"] = padded.train_step(steps[0])
         padded.close()
+        flow_dp = build_trainer("flowtrain", _backbone_dp_config(cfg), env, parity=True)
+        out["flow_dp"] = {"outcome": flow_dp.train_step(steps[0]), "grads": _named_grads(flow_dp.model),
+                          "role": flow_dp.role, "plan_text": flow_dp.plan_text}
+        flow_dp.close()
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=1)
         try:
             out["reference"] = _reference(steps[:STEPS], cfg) if rank == 0 else None
@@ -190,15 +204,24 @@ def test_parity_losses_equal_each_other_and_single_process(ranks):
 
 def test_gradients_are_the_step_losses(ranks):
     """Every rank's first-step gradients (after the runs' reductions) are the single
-    process's: AdamW hides a wrong gradient scale from the losses, this does not."""
+    process's: AdamW hides a wrong gradient scale from the losses, this does not.  Also
+    FlowTrain with two backbone replicas (average_grads over them, each its share)."""
     _, reference = ranks[0]["reference"]
-    for kind in ("baseline", "flowtrain"):
+    for kind in ("baseline", "flowtrain", "flow_dp"):
         seen = set()
         for rank, got in enumerate(ranks):
             for name, grad in got[kind]["grads"].items():
                 torch.testing.assert_close(grad, reference[name], rtol=1e-4, atol=1e-7, msg=f"{kind} r{rank} {name}")
                 seen.add(name)
         assert seen == set(reference), (kind, set(reference) ^ seen)
+
+
+def test_flow_backbone_data_parallel_step_loss(ranks):
+    reference, _ = ranks[0]["reference"]
+    assert [got["flow_dp"]["role"].split()[0] for got in ranks] == ["ViT", "ViT", "LLM", "LLM"]
+    assert "use_allocator is false" in ranks[0]["flow_dp"]["plan_text"]
+    for got in ranks:
+        assert got["flow_dp"]["outcome"].loss == pytest.approx(reference[0], rel=1e-5, abs=0)
 
 
 def test_padded_baseline_has_the_same_first_loss_and_counts_padding(ranks):
@@ -224,7 +247,8 @@ def test_baseline_timeline_has_one_forward_and_backward_per_microbatch_per_stage
             assert computes == sorted((k, m) for k in "FB" for m in range(microbatches)), rank
             assert all(0 <= iv.start <= iv.end <= outcome.step_s for iv in outcome.intervals)
         record = got["baseline"]["record"]
-        assert 0 < record.busy_s < record.step_s and 0 < record.idle_fraction < 1 and record.peak_memory_mb > 0
+        assert 0 < record.busy_s < record.step_s and 0 < record.idle_fraction < 1
+        assert 0 < record.peak_memory_mb < got["peak_before"]  # this run's peak, without the ballast
 
 
 def test_flow_timeline_has_pool_puts_and_gets(ranks):

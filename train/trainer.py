@@ -73,6 +73,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.stamps = StepStamps(env.rank)
         self.outcomes: list[StepOutcome] = []
+        reset_peak_memory(env.device)  # the peak is this run's, not an earlier run's in this process
 
     # ------------------------------------------------------------------ for subclasses
 
@@ -209,9 +210,24 @@ def even_split(layers: int, stages: int) -> list[int]:
     return [base + (s < extra) for s in range(stages)]
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start measuring the peak afresh: the CUDA allocator's peak statistics, or on Linux the
+    process's resident-set high-water mark (``/proc/self/clear_refs``, which ``ru_maxrss``
+    follows); where neither can be reset the peak covers the whole process."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this rank: the CUDA allocator's peak on a GPU, else the process's
-    peak resident set (``ru_maxrss``, kilobytes on Linux, bytes on macOS)."""
+    """Peak memory of this rank since :func:`reset_peak_memory`: the CUDA allocator's peak on
+    a GPU, else the process's peak resident set (``ru_maxrss``, kilobytes on Linux, bytes on
+    macOS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
