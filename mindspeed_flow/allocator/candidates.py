@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from .pipeline import planned_live
 from .proxy import BackboneEstimate, EncoderEstimate, ProxyModel
 from .specs import GIB, ClusterSpec, ModuleSpec, Workload
@@ -206,10 +208,13 @@ def backbone_pool(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, pr
                                                 "global batch over micro batch"))
                     continue
                 units = workload.global_batch // mbs
-                for dp in _replicas("backbone", config, tp * pp, units, cluster, rejections):
-                    floor = proxy.backbone_memory(spec, workload, tp, pp, mbs, dp, planned_live(pp, units // dp))
-                    if floor.total > cluster.memory_limit:
-                        rejections.append(Rejection("backbone", f"{config} dp {dp}", "memory", floor.total,
+                dps = np.array(list(_replicas("backbone", config, tp * pp, units, cluster, rejections)), dtype=np.int64)
+                if not len(dps):
+                    continue
+                floors = proxy.backbone_memory(spec, workload, tp, pp, mbs, dps, planned_live(pp, units // dps)).total
+                for dp, floor in zip(dps.tolist(), np.broadcast_to(floors, dps.shape).tolist()):
+                    if floor > cluster.memory_limit:
+                        rejections.append(Rejection("backbone", f"{config} dp {dp}", "memory", floor,
                                                     cluster.memory_limit, "GiB", at_least=True))
                         continue
                     pending.append(PendingBackbone(tp, pp, mbs, dp,

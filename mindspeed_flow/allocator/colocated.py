@@ -14,6 +14,9 @@ and, with ``"colocated"`` in ``Workload.placements``, candidates of the MILP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
 
 from . import memory
 from .candidates import LazyPool, Rejection, divisors
@@ -25,6 +28,7 @@ from .specs import ClusterSpec, ModelSpec, Workload
 VIT_REGION = "vit"
 
 
+@lru_cache(maxsize=4096)  # replica counts of one shape often share their caps
 def colocated_split(vit_forward: float, layer_forward: float, layers: int, vit_layers: int, stages: int,
                     caps: tuple[int, int, int] | None = None) -> tuple[int, ...] | None:
     """Layers per stage, counted over ViT + LLM as MindSpeed-MM's ``pipeline_num_layers``
@@ -109,29 +113,40 @@ def stage_memory(model: ModelSpec, workload: Workload, tp: int, dp: int, mbs: in
 
 def colocated_memory(model: ModelSpec, workload: Workload, tp: int, dp: int, mbs: int, split: tuple[int, ...],
                      live: tuple[int, ...]) -> MemoryEstimate:
-    """The fullest stage of ``split`` (ViT + LLM layers per stage)."""
+    """The fullest stage of ``split`` (ViT + LLM layers per stage); ``dp`` and ``live`` may
+    be numpy arrays over replica counts (see :func:`.memory.stage_memory`)."""
     llm_split = (split[0] - model.encoder.layers,) + split[1:]
-    return max((stage_memory(model, workload, tp, dp, mbs, s, len(split), count, live[s])
-                for s, count in enumerate(llm_split)), key=lambda m: m.total)
+    return memory.fullest([stage_memory(model, workload, tp, dp, mbs, s, len(split), count, live[s])
+                           for s, count in enumerate(llm_split)])
 
 
-def layer_caps(model: ModelSpec, workload: Workload, limit: float, tp: int, dp: int, mbs: int, stages: int,
-               microbatches: int) -> tuple[int, int, int]:
+def layer_caps(model: ModelSpec, workload: Workload, limit: float, tp: int, dp: int | np.ndarray, mbs: int,
+               stages: int, microbatches: int | np.ndarray) -> tuple:
     """The most LLM layers stage 0, a middle stage and the last stage can each hold within
     ``limit`` with :func:`planned_live` in flight (a middle stage's cap is stage 1's, the
     fullest of them).  Memory grows linearly with the layers, so each cap is read off two
-    estimates, then checked; -1 when not even the stage's fixed part fits."""
+    estimates, then checked; negative when not even the stage's fixed part fits.  With numpy
+    arrays of replica counts ``dp`` and their ``microbatches`` every count is computed at
+    once (the co-located pool's inner loop) and each cap is an array; with ints, ints."""
     live = planned_live(stages, microbatches)
+    layers = model.backbone.layers
 
-    def cap(stage: int) -> int:
-        base = stage_memory(model, workload, tp, dp, mbs, stage, stages, 0, live[stage]).total
-        per_layer = stage_memory(model, workload, tp, dp, mbs, stage, stages, 1, live[stage]).total - base
-        n = model.backbone.layers if per_layer <= 0 else int((limit - base) // per_layer)
-        while n >= 0 and stage_memory(model, workload, tp, dp, mbs, stage, stages, n, live[stage]).total > limit:
-            n -= 1  # rounding of the division
-        return min(n, model.backbone.layers)
+    def total(stage: int, n: int | np.ndarray) -> float | np.ndarray:
+        return stage_memory(model, workload, tp, dp, mbs, stage, stages, n, live[stage]).total
 
-    return cap(0), cap(min(1, stages - 1)), cap(stages - 1)
+    def cap(stage: int) -> np.ndarray:
+        base = np.asarray(total(stage, 0))
+        per_layer = np.asarray(total(stage, 1)) - base
+        positive = per_layer > 0
+        n = np.where(positive, (limit - base) // np.where(positive, per_layer, 1), layers).astype(np.int64)
+        over = (n >= 0) & (total(stage, n) > limit)
+        while over.any():  # rounding of the division
+            n = n - over
+            over = (n >= 0) & (total(stage, n) > limit)
+        return np.minimum(n, layers)
+
+    caps = (cap(0), cap(min(1, stages - 1)), cap(stages - 1))
+    return caps if np.ndim(dp) else tuple(int(c) for c in caps)
 
 
 def _layout(model: ModelSpec, split: tuple[int, ...]) -> PipelineLayout:
@@ -163,17 +178,21 @@ def colocated_pool(model: ModelSpec, cluster: ClusterSpec, workload: Workload, p
                 costs = (vit,) + proxy.backbone_costs(bb, tp, mbs)
                 layer_forward = costs[1].forward / bb.layers
                 balanced = colocated_split(vit.forward, layer_forward, bb.layers, enc.layers, pp)
-                for dp in divisors(workload.global_batch // mbs):
-                    if tp * pp * dp > cluster.devices:
-                        break
+                dps = np.array([d for d in divisors(workload.global_batch // mbs) if tp * pp * d <= cluster.devices])
+                if not len(dps):
+                    continue
+                all_caps = layer_caps(model, workload, cluster.memory_limit, tp, dps, mbs, pp,
+                                      workload.global_batch // (dps * mbs))
+                # what the time-balanced split would need, for the configs no split fits
+                needed = colocated_memory(model, workload, tp, dps, mbs, balanced,
+                                          planned_live(pp, workload.global_batch // (dps * mbs))).total
+                for i, dp in enumerate(dps.tolist()):
                     microbatches = workload.global_batch // (dp * mbs)
-                    caps = layer_caps(model, workload, cluster.memory_limit, tp, dp, mbs, pp, microbatches)
+                    caps = tuple(int(c[i]) for c in all_caps)
                     split = colocated_split(vit.forward, layer_forward, bb.layers, enc.layers, pp, caps)
-                    if split is None:  # what the time-balanced split would need
-                        needed = colocated_memory(model, workload, tp, dp, mbs, balanced,
-                                                  planned_live(pp, microbatches))
+                    if split is None:
                         rejections.append(Rejection("colocated", f"tp {tp} pp {pp} mbs {mbs} dp {dp}", "memory",
-                                                    needed.total, cluster.memory_limit, "GiB"))
+                                                    float(needed[i]), cluster.memory_limit, "GiB"))
                         continue
                     stage0 = enc.params + (split[0] - enc.layers) * bb.layer_params + bb.vocab * bb.hidden
                     reduce = proxy.gradient_reduce_seconds(stage0, tp, dp)

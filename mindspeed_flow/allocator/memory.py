@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .specs import GIB, ModuleSpec
 
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
@@ -53,11 +55,25 @@ def layer_activation_bytes(spec: ModuleSpec, samples: int, tp: int) -> float:
 def stage_memory(spec: ModuleSpec, *, layers: int, tp: int, dp: int, samples: int, live: int,
                  first: bool, last: bool, distributed_optimizer: bool) -> MemoryEstimate:
     """One pipeline stage (or a whole unpipelined module: ``first`` and ``last``) holding
-    ``live`` microbatches of ``samples`` samples in flight."""
+    ``live`` microbatches of ``samples`` samples in flight.  ``layers``, ``dp`` and ``live``
+    may be numpy arrays (many configs of one shape at once, :func:`.colocated.layer_caps`);
+    the estimate's fields are then arrays too."""
     params = layers * spec.layer_params + spec.vocab * spec.hidden * (int(first) + int(last))
     states = params / tp * bytes_per_param(spec.trainable, distributed_optimizer, dp)
     # A frozen stage without backward still needs one microbatch's working set.
-    held = max(live, 1) * layers * layer_activation_bytes(spec, samples, tp)
+    held = (np.maximum(live, 1) if isinstance(live, np.ndarray) else max(live, 1)) * layers \
+        * layer_activation_bytes(spec, samples, tp)
     if last and spec.vocab:  # fp32 logits of one microbatch
         held += FP32 * samples * spec.tokens_per_sample * spec.vocab / tp
     return MemoryEstimate(states=states, activations=held)
+
+
+def fullest(estimates: list[MemoryEstimate]) -> MemoryEstimate:
+    """The estimate with the largest total (the first of equals), config by config when
+    the fields are arrays over many configs."""
+    totals = [e.total for e in estimates]
+    if not any(isinstance(t, np.ndarray) for t in totals):
+        return max(estimates, key=lambda m: m.total)
+    pick = np.argmax(np.stack(np.broadcast_arrays(*totals)), axis=0)
+    return MemoryEstimate(np.choose(pick, np.broadcast_arrays(*[e.states for e in estimates])),
+                          np.choose(pick, np.broadcast_arrays(*[e.activations for e in estimates])))

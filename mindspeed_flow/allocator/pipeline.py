@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from mindspeed_flow.schedule import CostTable, Link, OneFOneB, Plan, Region, RegionCost, compose, simulate
 
 LAYERS_REGION = "layers"
@@ -114,11 +116,15 @@ def planned_live(stages: int, microbatches: int) -> tuple[int, ...]:
     the simulator (which counts held activations in program order) never reports fewer
     (:func:`in_flight`), and with nothing but forward/backward pairs after it never more
     (``test_planned_live_is_the_simulated_in_flight``).  Used to choose co-located splits
-    and to reject backbones over memory without simulating them."""
+    and to reject backbones over memory without simulating them.  ``microbatches`` may be
+    a numpy array (one entry per replica count); each stage's entry is then an array."""
+    if isinstance(microbatches, np.ndarray):
+        return tuple(np.minimum(stages - s, microbatches) for s in range(stages))
     return tuple(min(stages - s, microbatches) for s in range(stages))
 
 
-def stage_seconds(layout: PipelineLayout, costs: tuple[RegionCost, ...], with_backward: bool) -> list[float]:
+@lru_cache(maxsize=4096)  # the pools ask again for every replica count of a shape
+def stage_seconds(layout: PipelineLayout, costs: tuple[RegionCost, ...], with_backward: bool) -> tuple[float, ...]:
     """Compute seconds per microbatch of each stage: its layers at their region's per-layer
     time (forward, plus the backward of trainable regions when asked)."""
     out, start = [], 0
@@ -131,7 +137,7 @@ def stage_seconds(layout: PipelineLayout, costs: tuple[RegionCost, ...], with_ba
             taken += layers
         out.append(seconds)
         start += count
-    return out
+    return tuple(out)
 
 
 def step_lower_bound(layout: PipelineLayout, costs: tuple[RegionCost, ...], microbatches: int) -> float:

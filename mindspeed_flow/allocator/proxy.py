@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from statistics import median
 
+import numpy as np
+
 from . import memory
 from .memory import MemoryEstimate
 from .pipeline import PipelineStep, backbone_layout, pipeline_step, step_lower_bound, uniform_split
@@ -196,18 +198,18 @@ class ProxyModel:
         return workload.global_batch / (shortest + self._gradient_reduce(spec, tp, pp, dp))
 
     @staticmethod
-    def backbone_memory(spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int, dp: int,
-                        live: tuple[int, ...]) -> MemoryEstimate:
-        """The fullest stage's memory with ``live[s]`` microbatches held on stage ``s``."""
+    def backbone_memory(spec: ModuleSpec, workload: Workload, tp: int, pp: int, micro_batch: int,
+                        dp: int | np.ndarray, live: tuple) -> MemoryEstimate:
+        """The fullest stage's memory with ``live[s]`` microbatches held on stage ``s``;
+        ``dp`` and ``live`` may be numpy arrays over replica counts (the candidate pool
+        checks every count of a shape at once)."""
         split = uniform_split(spec.layers, pp)
-        return max(
-            (memory.stage_memory(spec, layers=split[s], tp=tp, dp=dp, samples=micro_batch,
-                                 live=live[s] if spec.trainable else 0,
-                                 first=s == 0, last=s == pp - 1,
-                                 distributed_optimizer=workload.distributed_optimizer)
-             for s in range(pp)),
-            key=lambda m: m.total,
-        )
+        return memory.fullest([
+            memory.stage_memory(spec, layers=split[s], tp=tp, dp=dp, samples=micro_batch,
+                                live=live[s] if spec.trainable else 0,
+                                first=s == 0, last=s == pp - 1,
+                                distributed_optimizer=workload.distributed_optimizer)
+            for s in range(pp)])
 
     def mfu(self, spec_encoder: ModuleSpec, spec_backbone: ModuleSpec, samples_per_s: float,
             devices: int) -> float:
