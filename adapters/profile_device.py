@@ -83,12 +83,14 @@ def _npu_module() -> Any:
         return importlib.import_module("torch_npu")
     except ImportError as exc:
         raise DeviceUnavailableError(f"device 'npu' requested but torch_npu cannot be imported ({exc}); "
-                                     "install Ascend's torch_npu matching this torch") from None
+                                     "install Ascend's torch_npu matching this torch, or profile the CPU with "
+                                     "--device cpu") from None
 
 
 def _require_count(kind: str, available: bool, count: int, ranks: int) -> None:
     if not available:
-        raise DeviceUnavailableError(f"device {kind!r} requested but torch.{kind}.is_available() is False")
+        raise DeviceUnavailableError(f"device {kind!r} requested but torch.{kind}.is_available() is False: "
+                                     f"no {kind.upper()} device on this machine (profile the CPU with --device cpu)")
     if count < ranks:
         raise DeviceUnavailableError(f"device {kind!r}: TP {ranks} needs {ranks} devices, found {count}")
 

@@ -1,17 +1,23 @@
 """Measure an allocator profile with megatron-core's real transformer layers.
 
 A ViT-shaped block (the encoder) and an LLM-shaped block (the backbone) run forward and
-backward at a few (tp, micro batch, sequence) points; TP 2 runs in two processes (gloo on
-the CPU, nccl on CUDA, hccl on an NPU: ``--device``; only the CPU has been run).
-Writes a profile file (default ``configs/allocator/profiles/cpu_megatron_tiny.yaml``).
+backward at a few (tp, micro batch, sequence) points; TP ``n`` runs in ``n`` processes
+(gloo on the CPU, nccl on CUDA, hccl on an NPU: ``--device``; only the CPU has been run).
+TP 1, 2 and 4 are measured by default (both blocks' heads and key/value groups divide by
+4); the proxy extrapolates larger TP sizes from them (``tp_calibration.py``).  On a CPU
+with fewer cores than TP ranks the ranks share cores, and the times say so.
+Writes a profile file (default ``configs/allocator/profiles/cpu_megatron_tiny.yaml``);
+it takes minutes (TP 4 on 2 cores: most of it).
 
-    .venv/bin/python scripts/profile_allocator.py [--out PATH] [--repeats N] [--device cpu|cuda|npu|auto]
+    .venv/bin/python scripts/profile_allocator.py [--out PATH] [--tp 1 2 4] [--repeats N] [--device cpu|cuda|npu|auto]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,11 +25,11 @@ from tqdm import tqdm
 
 from mindspeed_flow.adapters.megatron_core import megatron_core_version
 from mindspeed_flow.adapters.megatron_core_profile import BlockShape, measure
-from mindspeed_flow.adapters.profile_device import DEVICES
+from mindspeed_flow.adapters.profile_device import DEVICES, DeviceUnavailableError, select_device
 from mindspeed_flow.allocator import Profile
 
 ENCODER = dict(module="encoder", layers=2, hidden=320, heads=4, ffn=864, query_groups=4)
-BACKBONE = dict(module="backbone", layers=2, hidden=512, heads=8, ffn=1408, query_groups=2)
+BACKBONE = dict(module="backbone", layers=2, hidden=512, heads=8, ffn=1408, query_groups=4)
 # (micro batch, tokens per sample): work per rank spans about two decades.
 POINTS = {"encoder": [(1, 256), (2, 512), (4, 1024)], "backbone": [(1, 128), (1, 512), (2, 1024)]}
 
@@ -36,7 +42,7 @@ def shapes(tp: int) -> list[BlockShape]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="configs/allocator/profiles/cpu_megatron_tiny.yaml")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--tp-link-gbps", type=float, default=2.0,
@@ -44,6 +50,11 @@ def main() -> None:
     parser.add_argument("--tp-link-latency-us", type=float, default=50.0)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    try:  # every TP size's device before anything runs: a missing one is named, no traceback
+        for tp in args.tp:
+            select_device(args.device, tp)
+    except DeviceUnavailableError as exc:
+        sys.exit(f"error: {exc}")
     points, peaks, devices = [], [], set()
     for tp in tqdm(args.tp, desc="tp sizes"):
         measured = measure(shapes(tp), warmup=2, repeats=args.repeats, device=args.device)
@@ -57,7 +68,8 @@ def main() -> None:
         device=", ".join(sorted(devices)),
         peak_tflops=peak, points=tuple(points),
         source=f"scripts/profile_allocator.py, megatron-core {megatron_core_version()}, "
-               f"{datetime.date.today().isoformat()}, --device {args.device}, TP on 127.0.0.1",
+               f"{datetime.date.today().isoformat()}, --device {args.device}, TP on 127.0.0.1, "
+               f"{os.cpu_count()} CPU cores",
         tp_link_gbps=args.tp_link_gbps, tp_link_latency_us=args.tp_link_latency_us,
     )
     path = profile.save(Path(args.out))

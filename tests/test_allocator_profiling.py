@@ -73,3 +73,26 @@ def test_cuda_selection_with_a_mocked_gpu_count(monkeypatch):
         select_device("cuda", 4)
     with pytest.raises(DeviceUnavailableError, match="'cpu' requested on a CUDA machine"):
         select_device("cpu", 1)
+
+
+def test_profiling_script_refuses_a_missing_device_before_measuring(tmp_path):
+    """``scripts/profile_allocator.py --device cuda`` on a machine without a GPU (this one)
+    stops at once with one error line naming what is missing: no traceback, no process
+    spawned, no profile written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this test describes a machine without CUDA")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "p.yaml"
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "profile_allocator.py"), "--device", "cuda",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: device 'cuda' requested but torch.cuda.is_available() is False: no CUDA device on this machine "
+        "(profile the CPU with --device cpu)")
+    assert "Traceback" not in proc.stderr and "tp sizes" not in proc.stderr and not out.exists()

@@ -16,8 +16,12 @@ corrects compute only, so it carries over to a device with another peak and link
 the proxy predicts ``factor * compute + comm`` with the target cluster's numbers.
 
 Between a TP size's measured work sizes the factor is piecewise linear in log FLOPs per
-rank and flat outside them; between measured TP sizes it is linear in log tp; beyond the
-largest (or below the smallest) measured TP size it is held at that size's curve.
+rank and flat outside them.  At a measured TP size the factor is that size's own (so the
+proxy reproduces every measured point); between measured TP sizes it is linear in log tp;
+beyond the largest measured size it is extrapolated along the least-squares line in log tp
+through every measured size's factor (at the same work per rank), anchored at the largest
+one, and never below it: a falling trend is held, not followed towards zero.  Below the
+smallest measured size, and with one measured size only, that size's curve is held.
 """
 
 from __future__ import annotations
@@ -82,10 +86,24 @@ class TPCalibration:
         if tp <= sizes[0]:
             return piecewise_log(by_tp[sizes[0]], flops_per_rank)
         if tp >= sizes[-1]:
-            return piecewise_log(by_tp[sizes[-1]], flops_per_rank)
+            return self._extrapolated(by_tp, sizes, tp, flops_per_rank)
         upper = next(s for s in sizes if s >= tp)
         lower = max(s for s in sizes if s <= tp)
         low, high = (piecewise_log(by_tp[s], flops_per_rank) for s in (lower, upper))
         if upper == lower:
             return low
         return low + (high - low) * math.log(tp / lower) / math.log(upper / lower)
+
+    @staticmethod
+    def _extrapolated(by_tp: dict[int, tuple[tuple[float, float], ...]], sizes: list[int], tp: int,
+                      flops_per_rank: float) -> float:
+        """Beyond the largest measured TP size: the largest size's factor plus the
+        least-squares slope (in log tp, over every measured size, floored at 0) times how
+        far ``tp`` lies beyond it."""
+        xs = [math.log(s) for s in sizes]
+        ys = [piecewise_log(by_tp[s], flops_per_rank) for s in sizes]
+        if len(sizes) < 2:
+            return ys[-1]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return ys[-1] + max(slope, 0.0) * (math.log(tp) - xs[-1])
