@@ -203,15 +203,19 @@ def producer_death(ctx) -> dict:
     if ctx.rank == 0:
         time.sleep(0.3)  # the consumers are waiting by now
         raise Die()
+    return _get_from_dead_producer(pool, "doomed")
+
+
+def _get_from_dead_producer(pool, key: str) -> dict:
+    """Get ``key`` (30 s timeout) whose producer died; the error and how long it took."""
     start = time.monotonic()
     try:
-        pool.get("doomed", timeout=30)
+        pool.get(key, timeout=30)
     except ProducerDied as exc:
         return {"error": str(exc), "after_s": time.monotonic() - start}
     finally:
         pool.close()
-    raise AssertionError("get of a dead producer's key returned")
-
+    raise AssertionError(f"get of [{key}] from a dead producer returned")
 
 
 def producer_death_mid_read(ctx) -> dict:
@@ -228,14 +232,7 @@ def producer_death_mid_read(ctx) -> dict:
     if ctx.rank == 0:
         assert serving.wait(30), "rank 1 never asked for the object"
         raise Die()
-    start = time.monotonic()
-    try:
-        pool.get("mid", timeout=30)
-    except ProducerDied as exc:
-        return {"error": str(exc), "after_s": time.monotonic() - start}
-    finally:
-        pool.close()
-    raise AssertionError("get from a producer that died while serving it returned")
+    return _get_from_dead_producer(pool, "mid")
 
 
 class _DeadBeforeSending:
