@@ -161,16 +161,24 @@ class _Reader:
         self.take()
         return chars
 
+    def as_written(self, start: int, line: int) -> Chars:
+        """The script's text from ``start`` to here, unexpanded (an opaque part of a word)."""
+        return [(c, line) for c in self.text[start:self.pos]]
+
+    def written_through(self, closer: str, start: int, line: int, opener: str) -> Chars:
+        """Skip past the next ``closer``; the text from ``start`` as written."""
+        while self.peek() != closer:
+            if not self.peek():
+                raise self.error(f"unterminated {opener}", line)
+            self.take()
+        self.take()
+        return self.as_written(start, line)
+
     def backquoted(self) -> Chars:
         """```command``` substitution, kept as written."""
         line, start = self.line, self.pos
         self.take()
-        while self.peek() != "`":
-            if not self.peek():
-                raise self.error("unterminated `", line)
-            self.take()
-        self.take()
-        return [(c, line) for c in self.text[start:self.pos]]
+        return self.written_through("`", start, line, "`")
 
     def expansion(self) -> Chars:
         """``$NAME`` / ``${NAME}`` / ``${NAME:-default}``: the variable's characters (with their
@@ -187,7 +195,7 @@ class _Reader:
                 self.take()
                 if char == ")" and depth == 0:
                     break
-            return [(c, line) for c in self.text[start:self.pos]]
+            return self.as_written(start, line)
         start = self.pos
         self.take()
         braced = self.peek() == "{"
@@ -205,12 +213,7 @@ class _Reader:
             while self.peek() not in ("}", "\n", ""):
                 default.append((self.take(), line))
         if braced and self.peek() != "}":  # another ${NAME...} form: kept as written
-            while self.peek() != "}":
-                if not self.peek():
-                    raise self.error("unterminated ${", line)
-                self.take()
-            self.take()
-            return [(c, line) for c in self.text[start:self.pos]]
+            return self.written_through("}", start, line, "${")
         if braced:
             self.take()
         written = f"${{{match.group()}}}" if braced else f"${match.group()}"
