@@ -28,6 +28,7 @@ import sys
 from typing import Any, Callable
 
 from mindspeed_flow.config import env_flags, parse_flow_flags
+from mindspeed_flow.recipes.loss_weighting import LossWeightingConfig, loss_weighting_settings
 from mindspeed_flow.recipes.module_clip import clip_grads_per_module
 from mindspeed_flow.recipes.module_lr import (
     ModuleLR, RecipeConfigError, describe, grad_clip_settings, module_lr, module_lr_settings, split_param_groups,
@@ -40,11 +41,12 @@ NAME_ATTR = "_flow_name"
 
 _settings: tuple[ModuleLR, ...] | None = None
 _clip: dict[str, float] = {}
+_loss_weighting: LossWeightingConfig | None = None
 
 
 def configure(namespace: argparse.Namespace) -> tuple[ModuleLR, ...]:
     """Read (and check) the recipe values of ``namespace``; they apply from now on."""
-    global _settings, _clip
+    global _settings, _clip, _loss_weighting
     env = parse_flow_flags(env_flags())
 
     def pick(dest: str):
@@ -53,6 +55,7 @@ def configure(namespace: argparse.Namespace) -> tuple[ModuleLR, ...]:
 
     _settings = module_lr_settings(pick("flow_module_lr"), pick("flow_module_lr_warmup"))
     _clip = grad_clip_settings(pick("flow_module_grad_clip"))
+    _loss_weighting = loss_weighting_settings(pick("flow_loss_weighting"), pick("flow_loss_weighting_beta"))
     return _settings
 
 
@@ -65,10 +68,15 @@ def current_clip() -> dict[str, float]:
     return _clip
 
 
+def current_loss_weighting() -> LossWeightingConfig | None:
+    current_settings()
+    return _loss_weighting
+
+
 def reset() -> None:
     """Forget the settings (tests; a new job in the same process)."""
-    global _settings, _clip
-    _settings, _clip = None, {}
+    global _settings, _clip, _loss_weighting
+    _settings, _clip, _loss_weighting = None, {}, None
 
 
 def param_groups_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> list[dict]:
@@ -132,5 +140,6 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     namespace = args[0] if args else kwargs["args"]
     settings = configure(namespace)
     if getattr(namespace, "rank", 0) == 0:
-        log.info("mindspeed-flow recipes: %s; per-module grad clip %s", describe(settings), _clip or "off")
+        log.info("mindspeed-flow recipes: %s; per-module grad clip %s; loss weighting %s", describe(settings),
+                 _clip or "off", _loss_weighting.describe() if _loss_weighting else "off")
     return result

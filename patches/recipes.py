@@ -1,12 +1,15 @@
 """Feature ``recipes`` (``--flow-recipes``, implied by any recipe value): per-module
 learning rates on Megatron's optimizer param groups and LR scheduler, per-module gradient
-clipping after the optimizer's gradient preparation."""
+clipping after the optimizer's gradient preparation, dynamic per-task loss weights on
+MindSpeed-MM's ``VLMModel`` loss."""
 
 from mindspeed_flow.adapters import megatron_core_recipes as recipes
+from mindspeed_flow.adapters import mindspeed_mm_loss
 from mindspeed_flow.patching import Patch
 
 FEATURE = "recipes"
 CHECKED = ("megatron-core 0.12.3", "megatron-core 0.16.1")
+MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
 
 PATCHES = [
     Patch(
@@ -40,5 +43,30 @@ PATCHES = [
         params="args, defaults",
         checked=("Megatron-LM core_r0.12.1",),
         description="check and log the recipe values at start-up",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vlm_model:VLMModel.forward",
+        wrapper=mindspeed_mm_loss.vlm_forward,
+        params="self, input_ids, pixel_values, image_grid_thw, attention_mask, labels, inference_params, "
+               "decoder_input, position_ids, packed_seq_params",
+        checked=MINDSPEED_MM,
+        description="keep the batch's sample_ids / packing for the loss (--flow-loss-weighting)",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vlm_model:VLMModel.compute_language_model_loss",
+        wrapper=mindspeed_mm_loss.language_model_loss,
+        params="self, logits, labels",
+        checked=MINDSPEED_MM,
+        description="weight each token's loss by its sample's task weight (TP = 1)",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vlm_model:VLMModel.compute_loss_with_tensor_parallel",
+        wrapper=mindspeed_mm_loss.tensor_parallel_loss,
+        params="self, logits, labels",
+        checked=MINDSPEED_MM,
+        description="weight each token's loss by its sample's task weight (TP > 1)",
     ),
 ]

@@ -1,13 +1,19 @@
 """Dynamic loss weighting on loader-shaped packed batches: per-task sums from ``sample_ids``
-and ``cu_seqlens``, the inverse-moving-average rule, equal weights = the plain mean, and the
-resumable state."""
+and ``cu_seqlens``, the inverse-moving-average rule, equal weights = the plain mean, the
+resumable state, the training-loop API (:class:`LossWeighting`) and the flags.  The patch on
+MindSpeed-MM's real ``VLMModel`` is tested in ``tests/upstream/test_recipes_loss_weighting.py``."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 import torch
 
-from mindspeed_flow.recipes.loss_weighting import DynamicLossWeighting, per_task_sums, task_by_file
+from mindspeed_flow.recipes.loss_weighting import (
+    DynamicLossWeighting, LossWeighting, loss_weighting_settings, per_sample_sums, per_task_sums, task_by_file,
+)
+from mindspeed_flow.recipes.module_lr import RecipeConfigError
 
 TASK_OF = task_by_file({"*caption*": "caption", "*text*": "text"})
 
@@ -73,3 +79,75 @@ def test_weights_agree_across_data_parallel_ranks():
     first, second = launch(dp_worker, 2)
     # over both ranks caption 10 / 4 = 2.5, text 8 / 4 = 2 (neither rank alone sees these)
     assert first == second == pytest.approx({"caption": 0.4 / 0.45, "text": 0.5 / 0.45})
+
+
+def test_loss_weighting_api_weigh_uses_then_updates_the_weights():
+    weighting = LossWeighting(("caption", "text"), beta=0.5)
+    per_sample = torch.tensor([2.0, 4.0, 1.0], requires_grad=True)
+    tokens = torch.tensor([3, 2, 5])
+    loss, used = weighting.weigh(per_sample, ["caption", "text", "caption"], tokens)
+    assert used == {"caption": 1.0, "text": 1.0}
+    assert float(loss.detach()) == pytest.approx((2 * 3 + 4 * 2 + 1 * 5) / 10)  # the plain token mean
+    # caption mean (6 + 5) / 8, text 8 / 2 -> inverses normalised to mean 1
+    inv = {"caption": 8 / 11, "text": 1 / 4}
+    expected = {t: v / ((inv["caption"] + inv["text"]) / 2) for t, v in inv.items()}
+    assert weighting.weights() == pytest.approx(expected)
+    loss, used = weighting.weigh(per_sample, ["caption", "text", "caption"], tokens)
+    assert used == pytest.approx(expected)
+    assert float(loss.detach()) == pytest.approx((expected["caption"] * 11 + expected["text"] * 8) / 10)
+    loss.backward()  # the weights are constants: d loss / d loss_i = w_i * tokens_i / N
+    grad = [expected[t] * n / 10 for t, n in zip(["caption", "text", "caption"], [3, 2, 5])]
+    assert per_sample.grad.tolist() == pytest.approx(grad)
+    # the samples' mean (tokens default to one per sample)
+    mean, _ = LossWeighting(("a",)).weigh(torch.tensor([1.0, 3.0]), ["a", "a"])
+    assert float(mean) == 2.0
+    with pytest.raises(ValueError, match="2 sample losses but 1 tasks"):
+        weighting.weigh(torch.tensor([1.0, 2.0]), ["text"])
+    with pytest.raises(ValueError, match="task 'video' is not among the configured tasks"):
+        weighting.weigh(torch.tensor([1.0]), ["video"])
+
+
+def test_weigh_tokens_scales_each_token_by_its_samples_task():
+    weighting = LossWeighting(("caption", "text"), beta=0.0)
+    losses, labels, cu, ids = batch()
+    tasks = [TASK_OF(s) for s in ids]
+    first, _ = weighting.weigh_tokens(losses, labels, cu, tasks)
+    assert torch.equal(first, losses)  # weights 1 before any update
+    second, used = weighting.weigh_tokens(losses, labels, cu, tasks)
+    w = {"caption": (5 / 7) / ((5 / 7 + 1 / 5) / 2), "text": (1 / 5) / ((5 / 7 + 1 / 5) / 2)}
+    assert used == pytest.approx(w)
+    per_token = [w["caption"]] * 4 + [w["text"]] * 3 + [w["caption"]] * 3
+    assert second.reshape(-1).tolist() == pytest.approx((losses.reshape(-1) * torch.tensor(per_token)).tolist())
+    # one sample per row (no cu_seqlens)
+    sums, counts, _ = per_sample_sums(torch.ones(2, 3), torch.tensor([[1, 1, -100], [-100, 1, 1]]), None, 2)
+    assert sums.tolist() == [2.0, 2.0] and counts.tolist() == [2, 2]
+    with pytest.raises(ValueError, match="the batch has 2 row\\(s\\) but 3 sample_ids"):
+        per_sample_sums(torch.ones(2, 3), torch.ones(2, 3), None, 3)
+
+
+def test_state_of_the_api_round_trips_and_refuses_other_tasks():
+    a = LossWeighting(("caption", "text"))
+    a.weigh(torch.tensor([1.0, 3.0]), ["caption", "text"])
+    b = LossWeighting(("caption", "text"))
+    b.load_state_dict(a.state_dict())
+    assert b.weights() == a.weights() and "caption: w" in b.describe()
+    with pytest.raises(ValueError, match="state is for tasks \\['caption', 'text'\\], this run has \\['text'\\]"):
+        LossWeighting(("text",)).load_state_dict(a.state_dict())
+
+
+def test_flags_name_bad_values_and_unmatched_samples():
+    from mindspeed_flow.config import FlowConfig, add_flow_arguments
+    parser = add_flow_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    ns = parser.parse_args(["--flow-loss-weighting", "*caption*=caption", "*=text"])
+    assert FlowConfig.from_namespace(ns, environ={}).enabled("recipes")
+    config = loss_weighting_settings(ns.flow_loss_weighting, ns.flow_loss_weighting_beta)
+    assert config.tasks == ("caption", "text") and config.beta == 0.9
+    assert config.task_of()("d/caption-1.jsonl:4") == "caption" and config.task_of()("d/x.jsonl:0") == "text"
+    assert loss_weighting_settings(None, 0.5) is None
+    with pytest.raises(RecipeConfigError, match="--flow-loss-weighting: 'caption' is not PREFIX=VALUE"):
+        loss_weighting_settings(["caption"], None)
+    with pytest.raises(RecipeConfigError, match="--flow-loss-weighting-beta: 1.5 must be in"):
+        loss_weighting_settings(["*=a"], 1.5)
+    only_caption = loss_weighting_settings(["*caption*=caption"], None).task_of()
+    with pytest.raises(ValueError, match="sample 'd/text-0.jsonl:7': its file 'd/text-0.jsonl' matches no"):
+        only_caption("d/text-0.jsonl:7")

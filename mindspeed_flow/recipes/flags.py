@@ -11,7 +11,7 @@ import argparse
 from .module_lr import MODULE_PREFIXES
 
 # dest of every value that implies the feature.
-RECIPE_VALUE_DESTS = ("flow_module_lr", "flow_module_lr_warmup", "flow_module_grad_clip")
+RECIPE_VALUE_DESTS = ("flow_module_lr", "flow_module_lr_warmup", "flow_module_grad_clip", "flow_loss_weighting")
 
 
 def add_recipe_arguments(group: argparse._ArgumentGroup) -> None:
@@ -22,3 +22,9 @@ def add_recipe_arguments(group: argparse._ArgumentGroup) -> None:
                        help="an own linear warm-up (steps) per prefix, on top of the schedule; implies --flow-recipes")
     group.add_argument("--flow-module-grad-clip", nargs="+", default=None, metavar="PREFIX=MAX_NORM",
                        help="clip each prefix's gradient norm before the global --clip-grad; implies --flow-recipes")
+    group.add_argument("--flow-loss-weighting", nargs="+", default=None, metavar="PATTERN=TASK",
+                       help="dynamic per-task loss weights (inverse moving average of each task's loss, mean 1); "
+                            "a sample's task is the first glob PATTERN its source file (from sample_ids) matches; "
+                            "implies --flow-recipes")
+    group.add_argument("--flow-loss-weighting-beta", type=float, default=0.9, metavar="BETA",
+                       help="momentum of the per-task loss moving averages, in [0, 1) (default 0.9)")

@@ -196,9 +196,11 @@ def one_stage_layout(workdir: Path) -> Path:
 
 
 def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | None = None,
-                 save_initial: bool = True, extra_plugin_flags: tuple[str, ...] = PATCH_FEATURE_FLAGS) -> UpstreamRun:
-    """Run ``driver.py`` once under ``job``; with ``plugin`` through ``mindspeed_flow.launch``
-    plus ``extra_plugin_flags``.  Raises with the child's output when it fails."""
+                 save_initial: bool = True, extra_plugin_flags: tuple[str, ...] = PATCH_FEATURE_FLAGS,
+                 driver: Path = DRIVER) -> UpstreamRun:
+    """Run ``driver`` (``driver.py``, or a script built on it) once under ``job``; with
+    ``plugin`` through ``mindspeed_flow.launch`` plus ``extra_plugin_flags``.  Raises with the
+    child's output when it fails."""
     sources = upstream_sources()
     workdir.mkdir(parents=True, exist_ok=True)
     model_json = workdir / "model.json"
@@ -215,7 +217,7 @@ def run_upstream(job: Job, workdir: Path, plugin: bool = False, load: Path | Non
     flags = list(extra_plugin_flags) if plugin else []
     if "--use-flowtrain" in flags and job.pp == 1:
         flags += ["--flow-schedule-config", str(one_stage_layout(workdir))]
-    script = [*(["-m", "mindspeed_flow.launch"] if plugin else []), str(DRIVER),
+    script = [*(["-m", "mindspeed_flow.launch"] if plugin else []), str(driver),
               *job.megatron_args(model_json), *flags]
     if job.pp == 1:
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
