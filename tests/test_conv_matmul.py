@@ -95,6 +95,19 @@ def test_unbatched_input_and_round_trip_to_conv():
     assert torch.equal(back.weight, conv.weight) and torch.equal(back.bias, conv.bias)
 
 
+@pytest.mark.parametrize("conv, shape", [
+    (nn.Conv3d(3, 8, (2, 14, 14), stride=(2, 14, 14), bias=False), (0, 3, 2, 14, 14)),
+    (nn.Conv2d(3, 8, 4, stride=4), (0, 3, 16, 12)),
+])
+def test_empty_batch_like_the_conv(conv, shape):
+    """A microbatch without images (text-only samples) gives zero patches, as the conv does."""
+    x = torch.randn(shape, requires_grad=True)
+    out = PatchEmbedMatmul.from_conv(conv)(x)
+    assert out.shape == conv(x).shape
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+
+
 @pytest.mark.parametrize(
     "conv, reason",
     [

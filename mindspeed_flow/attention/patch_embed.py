@@ -126,7 +126,7 @@ class PatchEmbedMatmul(nn.Module):
         batch = x.shape[0]
         if all(g == 1 for g in grid):
             # One patch per sample (Qwen2-VL feeds patches already unfolded): a plain view.
-            patches = x[(..., *(slice(0, k) for k in self.kernel_size))].reshape(batch, -1)
+            patches = x[(..., *(slice(0, k) for k in self.kernel_size))].reshape(batch, self.weight.shape[1])
             out = F.linear(patches, self.weight, self.bias).view(batch, self.out_channels, *grid)
         else:
             x = x[(..., *(slice(0, g * k) for g, k in zip(grid, self.kernel_size)))]
@@ -136,7 +136,7 @@ class PatchEmbedMatmul(nn.Module):
             x = x.reshape(split)
             grid_axes = [2 + 2 * i for i in range(n)]
             kernel_axes = [3 + 2 * i for i in range(n)]
-            patches = x.permute(0, *grid_axes, 1, *kernel_axes).reshape(batch * math.prod(grid), -1)
+            patches = x.permute(0, *grid_axes, 1, *kernel_axes).reshape(batch * math.prod(grid), self.weight.shape[1])
             out = F.linear(patches, self.weight, self.bias).view(batch, *grid, self.out_channels)
             out = out.permute(0, n + 1, *range(1, n + 1)).contiguous()
         return out.squeeze(0) if unbatched else out
