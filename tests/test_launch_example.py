@@ -170,7 +170,7 @@ def test_shell_reader_expands_variables_and_keeps_their_lines(tmp_path):
         "C=$((2*3))\n"                              # 3
         "echo start.py > /dev/null\n"               # 4: not a launcher
         "python3 -u train.py $A '--y' \"$B\" \\\n"  # 5
-        "    --z=$C --w `hostname` 2>&1 | tee log\n"  # 6
+        "    --z=$C --w `hostname` > out.log 2>&1 | tee log\n"  # 6
     )
     command = read_training_command(script)
     assert [w.text for w in command.launcher] == ["python3", "-u"] and command.entry.text == "train.py"

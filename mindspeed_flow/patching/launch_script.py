@@ -74,7 +74,7 @@ class _Reader:
         return char
 
     def commands(self):
-        """Yield each simple command as ``(words, quoted)``: raw character lists, before splitting."""
+        """Yield each simple command: its words as ``(characters, quoted)``, before field splitting."""
         words: list[tuple[Chars, bool]] = []
         while self.pos < len(self.text):
             char = self.peek()
@@ -90,6 +90,8 @@ class _Reader:
                 for _ in operator:
                     self.take()
                 if operator in REDIRECTIONS:
+                    while self.peek() in (" ", "\t"):
+                        self.take()
                     self.word()  # the redirection's target is not an argument
                     continue
                 if words:
@@ -110,9 +112,9 @@ class _Reader:
                 break
             if char == "\\":
                 self.take()
-                if self.peek() == "\n":
+                if self.peek() == "\n":  # a line continuation inside a word joins it
                     self.take()
-                    break
+                    continue
                 line = self.line
                 chars.append((self.take(), line))
             elif char == "'":
