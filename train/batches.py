@@ -93,12 +93,13 @@ class ModelBatch:
     def dense_mask(self) -> torch.Tensor:
         """``[B, 1, S, S]`` bool, Megatron's convention (``True`` = masked out): a query sees
         a key when the key is not later, in the same sample, and not padding."""
-        rows, seq = self.input_ids.shape
-        sample = torch.full((rows, seq), -1, dtype=torch.long)  # -1: padding
+        (rows, seq), device = self.input_ids.shape, self.input_ids.device
+        sample = torch.full((rows, seq), -1, dtype=torch.long, device=device)  # -1: padding
         for row, lengths in enumerate(self.row_segments()):
-            sample[row, :sum(lengths)] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+            sample[row, :sum(lengths)] = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                                                 torch.tensor(lengths, device=device))
         same = (sample[:, :, None] == sample[:, None, :]) & (sample[:, None, :] >= 0)
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
         return ~(same & causal).unsqueeze(1)
 
 
@@ -171,17 +172,18 @@ def _split_pack(pack: dict[str, Any], image_token_id: int) -> list[_Sample]:
 
 def _pad(samples: list[_Sample], loss_tokens: int) -> ModelBatch:
     lengths = [len(s.input_ids) for s in samples]
-    seq = max(lengths)
-    input_ids = torch.full((len(samples), seq), PAD_TOKEN, dtype=torch.long)
-    labels = torch.full((len(samples), seq), IGNORE, dtype=torch.long)
-    positions = torch.zeros((len(samples), seq), dtype=torch.long)
+    seq, device = max(lengths), samples[0].input_ids.device
+    input_ids = torch.full((len(samples), seq), PAD_TOKEN, dtype=torch.long, device=device)
+    labels = torch.full((len(samples), seq), IGNORE, dtype=torch.long, device=device)
+    positions = torch.zeros((len(samples), seq), dtype=torch.long, device=device)
     for row, (sample, n) in enumerate(zip(samples, lengths)):
-        input_ids[row, :n], labels[row, :n], positions[row, :n] = sample.input_ids, sample.labels, torch.arange(n)
+        input_ids[row, :n], labels[row, :n] = sample.input_ids, sample.labels
+        positions[row, :n] = torch.arange(n, device=device)
     return ModelBatch(
         input_ids=input_ids, labels=labels, position_ids=positions,
         pixel_values=torch.cat([s.pixel_values for s in samples]),
         image_grid_thw=torch.cat([s.image_grid_thw for s in samples]).reshape(-1, 3),
-        segments=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
+        segments=torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32),
         attention="dense", loss_tokens=loss_tokens, sample_ids=[s.sample_id for s in samples],
         padded_tokens=len(samples) * seq,
     )
@@ -191,4 +193,4 @@ def _restarting_positions(segments: torch.Tensor) -> torch.Tensor:
     """``[T]`` position of every token within its own sample."""
     lengths = segments.diff().long()
     starts = torch.repeat_interleave(segments[:-1].long(), lengths)
-    return torch.arange(int(segments[-1])) - starts
+    return torch.arange(int(segments[-1]), device=segments.device) - starts

@@ -112,7 +112,8 @@ def image_cu_seqlens(image_grid_thw: torch.Tensor) -> torch.Tensor:
 def image_block_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``[N, N]`` bool, True where a patch may attend (same image): the dense mask
     MindSpeed-MM's ViT builds when flash attention is off."""
-    image = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff().long())
+    image = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device),
+                                    cu_seqlens.diff().long())
     return image[:, None] == image[None, :]
 
 
