@@ -88,6 +88,28 @@ def test_example_is_upstreams_arguments_plus_the_plugin(roots):
     assert ours.entry.text == theirs.entry.text == "pretrain_vlm.py"
 
 
+def test_reader_sees_the_arguments_bash_passes(tmp_path):
+    """The example run by bash with a stand-in ``torchrun`` (records its argv) and empty
+    Ascend ``set_env.sh`` files: the reader's words are bash's, bar unevaluated arithmetic."""
+    ascend, bin_dir, work = tmp_path / "Ascend", tmp_path / "bin", tmp_path / "MindSpeed-MM"
+    for env_file in ("cann/set_env.sh", "nnal/atb/set_env.sh"):
+        (ascend / env_file).parent.mkdir(parents=True)
+        (ascend / env_file).write_text("")
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    work.mkdir()
+    (work / "pretrain_vlm.py").write_text("")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ASCEND_HOME": str(ascend), "ARGV_OUT": str(tmp_path / "argv")}
+    proc = subprocess.run(["bash", str(EXAMPLE)], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    command = read_training_command(EXAMPLE)
+    assert argv == [w.text for w in command.launcher[1:]] + [command.entry.text] + [
+        bash if "$((" in ours.text else ours.text for ours, bash in zip(command.args, argv[-len(command.args):])]
+    assert argv[argv.index("--global-batch-size") + 1] == "192"  # MBS 1 x 48 steps x DP (8 / TP 1 / PP 2 / CP 1)
+
+
 def test_planted_unknown_flag_fails_naming_flag_and_line(roots, tmp_path):
     text = EXAMPLE.read_text().replace("    --use-flowtrain\n", "    --use-flowtrain \\\n    --use-flowtrian\n")
     planted = tmp_path / "planted.sh"

@@ -20,9 +20,10 @@ if [ ! -f pretrain_vlm.py ]; then
     exit 2
 fi
 
-# Ascend toolkit and runtime settings of the upstream example (adjust the install paths).
-source /usr/local/Ascend/cann/set_env.sh
-source /usr/local/Ascend/nnal/atb/set_env.sh
+# Ascend toolkit and runtime settings of the upstream example (ASCEND_HOME: the install root).
+ASCEND_HOME=${ASCEND_HOME:-/usr/local/Ascend}
+source "$ASCEND_HOME/cann/set_env.sh"
+source "$ASCEND_HOME/nnal/atb/set_env.sh"
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron checks it; no effect on an NPU
 export ASCEND_SLOG_PRINT_TO_STDOUT=0
 export ASCEND_GLOBAL_LOG_LEVEL=3
