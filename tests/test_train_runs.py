@@ -122,6 +122,16 @@ def _named_grads(module) -> dict[str, torch.Tensor]:
     return {name: g.detach().reshape(-1).clone() for name, g in grads.items()}
 
 
+def _through_file(state: dict) -> dict:
+    """``state`` after ``torch.save`` and ``torch.load``, as the job's checkpoint files hold it."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def _flat(trainer) -> torch.Tensor:
     """Every weight and AdamW moment of this rank, flattened."""
     state = trainer.optimizer.state
@@ -135,7 +145,8 @@ def _worker(rank, world_size):
 
     from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
     from mindspeed_flow.train.launch import DistEnv
-    from mindspeed_flow.train.trainer import build_trainer, destroy_megatron_parallel, peak_memory_mb
+    from mindspeed_flow.train.trainer import (CheckpointMismatch, build_trainer, destroy_megatron_parallel,
+                                              peak_memory_mb)
 
     shims = enable_cpu_shims()
     try:
@@ -144,19 +155,20 @@ def _worker(rank, world_size):
         ballast = torch.ones(64 << 20)  # 256 MB that no run's peak may include
         out = {"peak_before": peak_memory_mb(env.device)}
         del ballast
+        saved = {}
         for kind in ("baseline", "flowtrain"):
             trainer = build_trainer(kind, cfg, env, parity=True)
             outcomes = [trainer.train_step(steps[0])]
             first_grads = _named_grads(trainer.model)
             outcomes += [trainer.train_step(data) for data in steps[1:SAVE_AFTER]]
-            saved = trainer.state_dict()
+            saved[kind] = _through_file(trainer.state_dict())
             outcomes += [trainer.train_step(data) for data in steps[SAVE_AFTER:STEPS]]
             after = _flat(trainer)
             info = {"role": trainer.role, "plan_text": trainer.plan_text, "layout": trainer.layout,
                     "record": trainer.rank_record(), "grads": first_grads}
             trainer.close()
             resumed = build_trainer(kind, cfg, env, parity=True)
-            resumed.load_state_dict(saved)
+            resumed.load_state_dict(saved[kind])
             again = [resumed.train_step(data) for data in steps[SAVE_AFTER:STEPS]]
             info.update(outcomes=outcomes, resumed=again, same_after_resume=torch.equal(after, _flat(resumed)))
             resumed.close()
@@ -167,6 +179,9 @@ def _worker(rank, world_size):
         flow_dp = build_trainer("flowtrain", _backbone_dp_config(cfg), env, parity=True)
         out["flow_dp"] = {"outcome": flow_dp.train_step(steps[0]), "grads": _named_grads(flow_dp.model),
                           "role": flow_dp.role, "plan_text": flow_dp.plan_text}
+        for kind, state in saved.items():  # another run's, or the same run's in another layout
+            with pytest.raises(CheckpointMismatch, match=f"checkpoint of .*'run': '{kind}'"):
+                flow_dp.load_state_dict(state)
         flow_dp.close()
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=1)
         try:
@@ -261,3 +276,75 @@ def test_flow_timeline_has_pool_puts_and_gets(ranks):
                           if iv.kind == "F")
     assert vit_forwards == list(range(PACKS_PER_STEP))  # each microbatch's embeddings made once
     assert "co-located" in ranks[0]["flowtrain"]["plan_text"]  # 4 CPU ranks: the allocator co-locates
+
+
+# --------------------------------------------------------------------------- layouts (one process)
+
+
+def _plan(encoder_dp, backbone_pp, backbone_dp, *, tp=1, placement="decoupled"):
+    from mindspeed_flow.allocator import BackboneConfig, EncoderConfig, Plan, Prediction
+
+    split = [2 // backbone_pp or 1] * backbone_pp
+    return Plan(EncoderConfig(encoder_dp, tp, 1), BackboneConfig(backbone_dp, tp, backbone_pp, 1, split), 4,
+                Prediction(1.0, 1.0, 1.0, 0.1, 0.0, 1.0, 4, 1.0, 1.0), placement=placement)
+
+
+@pytest.mark.parametrize("plan, reason", [
+    ((2, 2, 1), ""),
+    ((4, 1, 2), "uses 6 of the 4 ranks"),
+    ((2, 2, 1, "tp"), "tensor parallelism"),
+    ((2, 2, 1, "colocated"), "co-located"),
+    ((3, 1, 2), "3 encoder replicas do not split over its 2 backbone replicas"),
+    ((1, 3, 1), "not a multiple of backbone_pp=3"),
+], ids=["realisable", "devices", "tp", "colocated", "encoder-split", "megatron-blocks"])
+def test_allocator_plans_flowtrain_cannot_run_say_why(plan, reason):
+    from mindspeed_flow.train.flow import unrealisable
+
+    sizes, kind = plan[:3], plan[3:]
+    built = _plan(*sizes, tp=2 if kind == ("tp",) else 1,
+                  placement="colocated" if kind == ("colocated",) else "decoupled")
+    why = unrealisable(built, 4)
+    assert (reason in why and why) if reason else why == ""
+
+
+def test_flow_layout_follows_the_allocator_or_says_why_not():
+    import dataclasses
+
+    from mindspeed_flow.train.flow import flow_layout
+
+    cfg = _config()
+    for world in (4, 6):
+        try:
+            chosen = flow_layout(cfg, world)
+        except ValueError as exc:  # neither the plan nor the config's 2 + 2 ranks fit 6
+            assert world == 6 and "not the allocator's layout because" in str(exc)
+            continue
+        assert chosen.decoupled.world_size == world
+        if chosen.plan_text.startswith("allocator plan used"):
+            assert f"backbone pp={chosen.decoupled.backbone_pp} dp={chosen.decoupled.backbone_dp}" in chosen.plan_text
+        else:  # the config's 2 ViT + PP=2 layout, which fits 4 ranks only
+            assert world == 4 and chosen.plan_text.startswith("config layout") and "allocator" in chosen.plan_text
+            assert (chosen.decoupled.encoder_dp, chosen.decoupled.backbone_pp) == (2, 2)
+    manual = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, use_allocator=False))
+    assert "use_allocator is false" in flow_layout(manual, 4).plan_text
+    with pytest.raises(ValueError, match="= 4 ranks, but the world has 6 .not the allocator's layout because "
+                                         "layout.use_allocator is false"):
+        flow_layout(manual, 6)
+    lopsided = dataclasses.replace(manual, layout=dataclasses.replace(manual.layout, flow_encoder_dp=1,
+                                                                      flow_backbone_pp=3))
+    with pytest.raises(ValueError, match="1 encoder ranks .* not a multiple of backbone_pp=3"):
+        flow_layout(lopsided, 4)
+
+
+def test_shares_and_splits():
+    from mindspeed_flow.train.trainer import build_trainer, even_split, replica_share
+
+    assert [replica_share(5, r, 2) for r in (0, 1)] == [[0, 1, 2], [3, 4]]
+    assert [replica_share(4, r, 2) for r in (0, 1)] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="3 microbatches in the step cannot feed 4 data-parallel replicas"):
+        replica_share(3, 0, 4)
+    assert even_split(5, 2) == [3, 2] and even_split(4, 4) == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="2 LLM layers cannot fill 3 pipeline stages"):
+        even_split(2, 3)
+    with pytest.raises(ValueError, match="unknown run 'fast'"):
+        build_trainer("fast", _config(), None)

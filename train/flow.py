@@ -75,7 +75,8 @@ def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
                                 encoder_layers=cfg.model.vit_layers, backbone_layers=cfg.model.llm_layers)
     if decoupled.world_size != world_size:
         raise ValueError(f"layout: flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp) = "
-                         f"{decoupled.world_size} ranks, but the world has {world_size}")
+                         f"{decoupled.world_size} ranks, but the world has {world_size} (not the allocator's "
+                         f"layout because {reason})")
     check_megatron_placement(decoupled)
     split = tuple(even_split(cfg.model.llm_layers, decoupled.backbone_pp))
     return FlowLayout(decoupled, split, f"config layout (flow_encoder_dp/flow_backbone_pp/flow_backbone_dp): {reason}")
@@ -95,9 +96,7 @@ def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
     """``(plan, "")`` when the allocator's best plan for the tiny model on ``world_size``
     CPU devices (TP 1) is realisable here, else ``(None, why not)``."""
     from mindspeed_flow.allocator import (AllocatorError, InfeasibleError, ModelSpec, ModuleSpec, Profile,
-                                          ProxyModel, Workload, load_config, solve)
-    from mindspeed_flow.allocator.plan import DECOUPLED
-    from mindspeed_flow.pool.decoupled import DecoupledLayout
+                                          ProxyModel, load_config, solve)
 
     if not ALLOCATOR_CONFIG.is_file():
         return None, f"the allocator's CPU profile config {ALLOCATOR_CONFIG} is not there (installed without configs/)"
@@ -116,22 +115,30 @@ def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
         plan = solve(model, cluster, ProxyModel(Profile.load(base.profile), cluster), workload)
     except (InfeasibleError, AllocatorError, OSError) as exc:
         return None, f"the allocator found no plan ({exc})"
-    text = describe_plan(plan)
+    why = unrealisable(plan, world_size)
+    return (None, f"{why}: {describe_plan(plan)}") if why else (plan, "")
+
+
+def unrealisable(plan: Any, world_size: int) -> str:
+    """Why a :class:`DecoupledLayout` of ``world_size`` CPU ranks cannot run ``plan``
+    (``""`` when it can)."""
+    from mindspeed_flow.allocator.plan import DECOUPLED
+    from mindspeed_flow.pool.decoupled import DecoupledLayout
+
     b, e = plan.backbone, plan.encoder
     if plan.placement != DECOUPLED:
-        return None, f"the allocator's plan is co-located (ViT inside stage 0), not a decoupled layout: {text}"
+        return "the allocator's plan is co-located (ViT inside stage 0), not a decoupled layout"
     if e.tp != 1 or b.tp != 1:
-        return None, f"the allocator's plan uses tensor parallelism, which the CPU run does not: {text}"
+        return "the allocator's plan uses tensor parallelism, which the CPU run does not"
     if e.dp % b.dp:
-        return None, f"the plan's {e.dp} encoder replicas do not split over its {b.dp} backbone replicas: {text}"
+        return f"the plan's {e.dp} encoder replicas do not split over its {b.dp} backbone replicas"
     if plan.devices != world_size:
-        return None, f"the plan uses {plan.devices} of the {world_size} ranks: {text}"
-    layout = DecoupledLayout(encoder_dp=e.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp)
+        return f"the plan uses {plan.devices} of the {world_size} ranks"
     try:
-        check_megatron_placement(layout)
+        check_megatron_placement(DecoupledLayout(encoder_dp=e.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp))
     except ValueError as exc:
-        return None, f"{exc}: {text}"
-    return plan, ""
+        return str(exc)
+    return ""
 
 
 def describe_plan(plan: Any) -> str:

@@ -113,7 +113,8 @@ class Trainer:
         totals = torch.tensor([local.loss, float(local.padded_tokens)], dtype=torch.float64, device=self.env.device)
         dist.all_reduce(totals)
         step_s = time.monotonic() - origin
-        outcome = StepOutcome(step=data.step, loss=float(totals[0]), samples=sum(len(p["sample_ids"]) for p in data.packs),
+        outcome = StepOutcome(step=data.step, loss=float(totals[0]),
+                              samples=sum(len(p["sample_ids"]) for p in data.packs),
                               tokens=sum(int(p["input_ids"].numel()) for p in data.packs),
                               padded_tokens=int(round(float(totals[1]))), step_s=step_s,
                               intervals=list(self.stamps.intervals))
@@ -246,11 +247,11 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     import numpy as np
 
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # a checkpoint loaded with map_location=cuda moved it
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 def _copied(obj: Any) -> Any:
