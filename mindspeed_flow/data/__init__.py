@@ -9,6 +9,7 @@ exactly.
 
 from .batch import collate_pack
 from .loader import FlowDataLoader
+from .mixture import MixtureLoader
 from .stats import LoaderStats
 
-__all__ = ["FlowDataLoader", "LoaderStats", "collate_pack"]
+__all__ = ["FlowDataLoader", "LoaderStats", "MixtureLoader", "collate_pack"]
