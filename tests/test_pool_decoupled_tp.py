@@ -1,10 +1,11 @@
-"""Decoupled training with tensor parallelism, against one process running the whole VLM
-(fp32, 1e-6): encoder DP x TP (two ViT replicas, each split over two ranks) feeding a
-GPT pipeline, and a tensor-parallel megatron-core GPT backbone (Megatron's own TP layers
-over gloo) fed by two ViT replicas.  Every TP rank runs its slice's plan
+"""Decoupled training with tensor parallelism on both sides, against one process running
+the whole VLM (fp32, 1e-6): two ViT replicas, each split over a TP group of two ranks,
+feeding megatron-core's GPTModel under Megatron's own tensor parallelism (TP=2, over
+gloo), six ranks built from one world.  Every TP rank runs its slice's plan
 (:meth:`DecoupledLayout.executor_ranks`); only TP leaders touch the shm pool and broadcast
 what they get (:mod:`pool_tensor_parallel`).  Each TP rank's gradients are its shard of
-the reference's; the encoder replicas reduce among same-TP-rank peers only."""
+the reference's; the encoder replicas reduce among same-TP-rank peers only.
+``MINDSPEED_FLOW_POOL_TP_PP=1`` adds the backbone at TP=2 x PP=2 (eight ranks)."""
 
 from __future__ import annotations
 
