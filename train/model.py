@@ -385,7 +385,7 @@ class StageModule(nn.Module):
             raise ValueError(f"StageModule: {wanted} image tokens (id {self.image_token_id}) but {found} image "
                              f"embeddings (samples {batch.sample_ids})")
         text = self.gpt.embedding(input_ids=batch.input_ids, position_ids=batch.position_ids).transpose(0, 1)
-        if wanted:
+        if image is not None:  # also with no image token: a pool input of 0 embeddings gets its (empty) gradient
             text = text.masked_scatter(is_image.unsqueeze(-1), image.to(text.dtype))
         return text.transpose(0, 1).contiguous()
 
