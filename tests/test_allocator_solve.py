@@ -286,3 +286,27 @@ def test_colocated_only_diagnosis_names_the_colocated_configs_not_unasked_backbo
     small = ClusterSpec(devices=32, memory_gib=80)
     with pytest.raises(InfeasibleError, match="colocated tp 8 pp 8: devices: 64 vs 32 devices"):
         solve(model, small, ProxyModel(synthetic_profile(random.Random(1)), small), workload)
+
+
+def test_backbone_reach_bounds_every_decoupled_pair_it_can_join():
+    """A backbone is simulated only if its reach (rate bound capped by the fastest encoder
+    on the devices it leaves) attains the best plan so far; that is safe because no pair
+    within the budget runs faster than its backbone's reach.  Checked against every pair,
+    with the backbone simulated, on random instances (some backbones leave room for no
+    encoder at all: reach 0)."""
+    from mindspeed_flow.allocator.candidates import candidates
+
+    rng = random.Random(21)
+    pairs = unpaired = 0
+    for _ in range(25):
+        model, cluster, proxy, workload = random_instance(rng)
+        found, pool = candidates(model.encoder, model.backbone, cluster, workload, proxy)
+        for p in pool.pending:
+            fitting = [e.rate for e in found.encoders if e.devices + p.devices <= cluster.devices]
+            assert p.reach == min(p.bound, max(fitting, default=0.0))
+            rate = proxy.backbone(model.backbone, workload, p.tp, p.pp, p.micro_batch, p.dp).rate
+            for enc_rate in fitting:
+                assert min(enc_rate, rate) <= p.reach * (1 + 1e-12)
+                pairs += 1
+            unpaired += not fitting
+    assert pairs >= 200 and unpaired >= 5

@@ -20,6 +20,8 @@ simulated lazily (:class:`LazyPool`): the simulation is the expensive part.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterator
@@ -122,13 +124,16 @@ def encoder_candidates(spec: ModuleSpec, cluster: ClusterSpec, workload: Workloa
 
 @dataclass(frozen=True)
 class PendingBackbone:
-    """A backbone config that passed every cheap check, with its rate's upper bound."""
+    """A backbone config that passed every cheap check, with its rate's upper bound and
+    ``reach``: the most a decoupled plan with it can do, the bound capped by the fastest
+    encoder that fits the devices it leaves (0 when none does)."""
 
     tp: int
     pp: int
     micro_batch: int
     dp: int
     bound: float
+    reach: float
 
     @property
     def devices(self) -> int:
@@ -136,17 +141,18 @@ class PendingBackbone:
 
 
 class LazyPool:
-    """Candidates simulated lazily, in order of their rate bound.
+    """Candidates simulated lazily, in order of their reach.
 
-    The MILP never needs a candidate whose rate cannot reach the throughput of a plan
-    already found (it could not be part of any plan as good, see :func:`.solve.solve`), so
-    candidates are simulated best bound first, only as far as a solve asks.  ``evaluate``
-    simulates one pending candidate and returns its estimate, or None (recording why) when
-    it does not fit in memory.
+    The MILP never needs a candidate that cannot reach the throughput of a plan already
+    found (it could not be part of any plan as good, see :func:`.solve.solve`), so
+    candidates are simulated best ``reach`` first (the most any plan with them can do: the
+    rate bound, for a backbone also capped by the encoders that fit beside it), only as far
+    as a solve asks.  ``evaluate`` simulates one pending candidate and returns its estimate,
+    or None (recording why) when it does not fit in memory.
     """
 
     def __init__(self, pending: list, evaluate: Callable[[Any], Any]) -> None:
-        self.pending = sorted(pending, key=lambda p: -p.bound)
+        self.pending = sorted(pending, key=lambda p: -p.reach)
         self.evaluated: list = []
         self._evaluate_one = evaluate
 
@@ -158,24 +164,24 @@ class LazyPool:
         return est
 
     def expand(self, threshold: float) -> int:
-        """Simulate every pending candidate whose bound reaches ``threshold``; returns how
+        """Simulate every pending candidate whose reach is ``threshold`` or more; returns how
         many fit in memory (and joined :attr:`evaluated`)."""
         added = 0
-        while self.pending and self.pending[0].bound >= threshold:
+        while self.pending and self.pending[0].reach >= threshold:
             added += self._evaluate(self.pending[0]) is not None
         return added
 
     def expand_first(self, count: int) -> int:
-        """Simulate the ``count`` candidates with the best bounds (a first set to solve)."""
+        """Simulate the ``count`` candidates that reach furthest (a first set to solve)."""
         if not self.pending:
             return 0
-        return self.expand(self.pending[min(count, len(self.pending)) - 1].bound)
+        return self.expand(self.pending[min(count, len(self.pending)) - 1].reach)
 
     def best_within(self, devices: int) -> Any:
         """The fastest candidate on at most ``devices`` devices, simulating only those
         whose bound could beat the best found."""
         best = max((e for e in self.evaluated if e.devices <= devices), key=lambda e: e.rate, default=None)
-        for p in [p for p in self.pending if p.devices <= devices]:
+        for p in sorted((p for p in self.pending if p.devices <= devices), key=lambda p: -p.bound):
             if best is not None and p.bound < best.rate:
                 break
             est = self._evaluate(p)
@@ -184,12 +190,28 @@ class LazyPool:
         return best
 
 
+def fastest_encoder_within(encoders: list[EncoderEstimate]) -> Callable[[int], float]:
+    """``devices -> the fastest encoder rate on at most that many devices`` (0 if none)."""
+    by_devices = sorted(encoders, key=lambda e: e.devices)
+    sizes = [e.devices for e in by_devices]
+    best = list(itertools.accumulate((e.rate for e in by_devices), max))
+
+    def fastest(devices: int) -> float:
+        fitting = bisect.bisect_right(sizes, devices)
+        return best[fitting - 1] if fitting else 0.0
+
+    return fastest
+
+
 def backbone_pool(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, proxy: ProxyModel,
-                  rejections: list[Rejection]) -> LazyPool:
+                  rejections: list[Rejection], encoders: list[EncoderEstimate]) -> LazyPool:
     """Backbone configs after the cheap checks, none simulated yet.  Memory is checked with
     the microbatches 1F1B holds in flight (:func:`.pipeline.planned_live`), which the
     simulator never reports fewer of: a config rejected here would be rejected after
-    simulating too, so it is not simulated."""
+    simulating too, so it is not simulated.  A config's reach is its rate bound capped by
+    the fastest of ``encoders`` on the devices it leaves: a decoupled plan runs at the
+    smaller of the two rates, so one whose reach is below a plan found is never simulated."""
+    partner = fastest_encoder_within(encoders)
     pending = []
     pp_choices = workload.pp_choices or tuple(divisors(spec.layers))
     for tp in workload.tp_choices:
@@ -217,8 +239,9 @@ def backbone_pool(spec: ModuleSpec, cluster: ClusterSpec, workload: Workload, pr
                         rejections.append(Rejection("backbone", f"{config} dp {dp}", "memory", floor,
                                                     cluster.memory_limit, "GiB", at_least=True))
                         continue
-                    pending.append(PendingBackbone(tp, pp, mbs, dp,
-                                                   proxy.backbone_rate_bound(spec, workload, tp, pp, mbs, dp)))
+                    bound = proxy.backbone_rate_bound(spec, workload, tp, pp, mbs, dp)
+                    pending.append(PendingBackbone(tp, pp, mbs, dp, bound,
+                                                   min(bound, partner(cluster.devices - tp * pp * dp))))
 
     def evaluate(p: PendingBackbone) -> BackboneEstimate | None:
         est = proxy.backbone(spec, workload, p.tp, p.pp, p.micro_batch, p.dp)
@@ -237,5 +260,5 @@ def candidates(encoder: ModuleSpec, backbone: ModuleSpec, cluster: ClusterSpec, 
     list is the candidate set's ``backbones``, growing as the pool expands)."""
     rejections: list[Rejection] = []
     encoders = encoder_candidates(encoder, cluster, workload, proxy, rejections)
-    pool = backbone_pool(backbone, cluster, workload, proxy, rejections)
+    pool = backbone_pool(backbone, cluster, workload, proxy, rejections, encoders)
     return CandidateSet(encoders, pool.evaluated, rejections), pool

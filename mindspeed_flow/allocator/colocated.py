@@ -75,6 +75,11 @@ class PendingColocated:
     def devices(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def reach(self) -> float:
+        """The most a plan with it can do: its own rate bound (it needs no partner)."""
+        return self.bound
+
 
 @dataclass(frozen=True)
 class ColocatedEstimate:
