@@ -244,6 +244,9 @@ def test_padded_baseline_has_the_same_first_loss_and_counts_padding(ranks):
     assert padded.loss == pytest.approx(packed.loss, rel=1e-5, abs=0)
     assert (padded.samples, padded.tokens) == (packed.samples, packed.tokens)
     assert packed.padded_tokens == packed.tokens < padded.padded_tokens
+    # the replicas (stage 0 on ranks 0 and 1) share the padded microbatches evenly
+    forwards = [sum(iv.kind == "F" for iv in got["padded"].intervals) for got in ranks[:2]]
+    assert sum(forwards) == -(-padded.samples // 2) and abs(forwards[0] - forwards[1]) <= 1
 
 
 def test_resume_continues_exactly(ranks):

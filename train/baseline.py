@@ -2,10 +2,11 @@
 megatron-core's own 1F1B, padded microbatches under dense masks, Conv3d patch embedding.
 
 Layout: PP = ``layout.baseline_pp`` x DP = ``world_size / PP`` from Megatron's
-``initialize_model_parallel``.  Each data-parallel replica trains its contiguous share of
-the step's packs: their samples padded ``data.micro_batch_size`` per microbatch, or, in
-parity mode, the packs themselves as dense block-diagonal microbatches (the same
-microbatches FlowTrain runs, only the attention differs).  The schedule is
+``initialize_model_parallel``.  The step's samples, in order, are padded
+``data.micro_batch_size`` per microbatch and each data-parallel replica trains an even,
+contiguous share of those microbatches; in parity mode each replica trains its share of the
+packs themselves as dense block-diagonal microbatches (the same microbatches FlowTrain
+runs, only the attention differs).  The schedule is
 ``forward_backward_pipelining_without_interleaving`` with ``variable_seq_lengths`` (every
 microbatch has its own shape) and ``calculate_per_token_loss`` (each microbatch's loss is
 already its share of the step loss, Megatron divides by nothing: see
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from mindspeed_flow.train.stamps import MegatronStamps
 from mindspeed_flow.train.trainer import (LocalStep, Trainer, destroy_megatron_parallel, even_split,
-                                          replica_share, sum_grads, to_device)
+                                          replica_share, sum_grads)
 
 if TYPE_CHECKING:
     from mindspeed_flow.train.config import TrainConfig
@@ -60,18 +61,21 @@ class BaselineTrainer(Trainer):
     def microbatches(self, data: "StepData") -> list:
         from mindspeed_flow.train.batches import from_pack, padded_microbatches
 
-        packs = [data.packs[i] for i in replica_share(len(data.packs), self.replica, self.replicas)]
         if self.parity:
-            return [from_pack(p, data.loss_tokens, "dense") for p in packs]
-        return padded_microbatches(packs, self.cfg.data.micro_batch_size, data.loss_tokens,
-                                   image_token_id=self.cfg.model.image_token_id)
+            mine = replica_share(len(data.packs), self.replica, self.replicas)
+            return [from_pack(data.packs[i], data.loss_tokens, "dense") for i in mine]
+        # MindSpeed-MM's data parallelism: the step's samples in order, micro_batch_size per
+        # microbatch, an even share of the microbatches per replica.
+        padded = padded_microbatches(data.packs, self.cfg.data.micro_batch_size, data.loss_tokens,
+                                     image_token_id=self.cfg.model.image_token_id)
+        return [padded[i] for i in replica_share(len(padded), self.replica, self.replicas)]
 
     def forward_backward(self, data: "StepData") -> LocalStep:
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
         from mindspeed_flow.train.model import forward_step
 
-        batches = [to_device(b, self.env.device) for b in self.microbatches(data)]
+        batches = [b.to(self.env.device) for b in self.microbatches(data)]
         count = len(batches)
         store = get_forward_backward_func()(
             forward_step_func=self.stamps.forward_step(forward_step), data_iterator=iter(batches),

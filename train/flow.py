@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mindspeed_flow.train.stamps import executor_intervals
-from mindspeed_flow.train.trainer import (LocalStep, Trainer, destroy_megatron_parallel, replica_share,
-                                          to_device)
+from mindspeed_flow.train.trainer import LocalStep, Trainer, destroy_megatron_parallel, replica_share
 
 if TYPE_CHECKING:
     from mindspeed_flow.pool.decoupled import DecoupledLayout
@@ -202,7 +201,7 @@ class FlowTrainer(Trainer):
         plan = self.plans.get(len(mine))
         if plan is None:
             plan = self.plans[len(mine)] = self.decoupled.plan(len(mine))
-        batches = (to_device(from_pack(data.packs[i], data.loss_tokens, "varlen"), self.env.device) for i in mine)
+        batches = (from_pack(data.packs[i], data.loss_tokens, "varlen").to(self.env.device) for i in mine)
         replicas = self.decoupled.backbone_dp  # average_grads divides by it: undo that
         rules = replace(loss_rules(), grad_scale_func=lambda loss: loss * replicas)
         result = self.executor.run(plan, forward_step, {(self.region, self.stage): Binding(self.model, batches)},

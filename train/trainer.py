@@ -159,18 +159,6 @@ class Trainer:
 # ---------------------------------------------------------------------- helpers
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """A :class:`~mindspeed_flow.train.batches.ModelBatch` with its tensors on ``device``
-    (the batch itself on the CPU)."""
-    import dataclasses
-
-    if device.type == "cpu":
-        return batch
-    moved = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}
-    return dataclasses.replace(batch, **moved)
-
-
 def fill_missing_grads(params: Iterable[torch.nn.Parameter]) -> None:
     for p in params:
         if p.grad is None:
