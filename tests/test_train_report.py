@@ -190,6 +190,10 @@ def test_gantt_draws_one_bar_per_interval_where_it_ran(runs, tmp_path):
         centre = bar.get_y() + bar.get_height() / 2
         assert round(centre) == iv.rank and (bar.get_height() > 0.5) == iv.is_compute
     assert (tmp_path / "g.png").stat().st_size > 5000
+    # the axis ends at the last interval (1.8 s, rank 0's SEND) or at the span the report shares between runs
+    assert bars[0].axes.get_xlim() == pytest.approx((0.0, 1.8 * 1.01))
+    shared = timeline_gantt(run, tmp_path / "g2.png", span=4.0)
+    assert shared[0].axes.get_xlim() == pytest.approx((0.0, 4.0 * 1.01))
 
 
 @pytest.mark.parametrize("make, message", [

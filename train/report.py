@@ -129,9 +129,15 @@ def _summary(records: Sequence[RunRecord], parity: ParityResult | None, resume: 
     return "\n".join(out) + "\n"
 
 
-def timeline_gantt(record: RunRecord, path: Path) -> list[Any]:
+def _timeline_end(record: RunRecord) -> float:
+    return max((iv.end for iv in record.timeline), default=0.0)
+
+
+def timeline_gantt(record: RunRecord, path: Path, *, span: float | None = None) -> list[Any]:
     """Draw ``record.timeline`` (one measured step, one row per rank) to ``path``.
 
+    ``span``: the seconds the time axis covers (default: to the last interval's end); the
+    report gives every run the same, so the charts compare at a glance.
     Returns the drawn bar rectangles, one per interval in timeline order.
     """
     from mindspeed_flow.schedule.gantt import Bar, Key, chart, region_colours
@@ -147,9 +153,10 @@ def timeline_gantt(record: RunRecord, path: Path) -> list[Any]:
     drawn = {(iv.region, iv.kind) for iv in record.timeline}
     keys = [Key(f"{region} {_LABEL[kind]}", colour[region], _ALPHA[kind], _HATCH.get(kind))
             for region in REGIONS for kind in KINDS if (region, kind) in drawn]
-    span = max((iv.end for iv in record.timeline), default=0.0) or 1.0
+    end = _timeline_end(record)
+    span = span or end or 1.0
     idle = sum(k.idle_fraction for k in record.ranks) / len(record.ranks) if record.ranks else math.nan
-    title = (f"{record.name} ({record.layout}): one measured step {span:.3f} s; "
+    title = (f"{record.name} ({record.layout}): one measured step {end:.3f} s; "
              f"mean idle over measured steps {idle:.0%}")
     rows = [f"r{rank} {roles.get(rank, '')}".rstrip() for rank in range(record.world_size)]
     return chart(bars, rows, keys, path, title=title, span=span)
@@ -178,9 +185,9 @@ def loss_curves(records: Sequence[RunRecord], path: Path, *, parity: ParityResul
     solid, dashed = {"marker": "o"}, {"marker": ".", "linestyle": "--"}
     # (title, curves as (label, steps, losses, style), step after which a line is drawn)
     panels: list[tuple[str, list[tuple[str, list[int], list[float], dict]], int | None]] = []
-    if records:
-        panels.append(("step loss", [(r.name, [s.step for s in r.steps], r.losses(), {"marker": "."})
-                                     for r in records], None))
+    if records:  # alternating styles: equal curves (same samples, same init) stay both visible
+        panels.append(("step loss", [(r.name, [s.step for s in r.steps], r.losses(), (solid, dashed)[i % 2])
+                                     for i, r in enumerate(records)], None))
     if parity is not None:
         panels.append((f"parity {'PASS' if parity.passed else 'FAIL'}: max rel dev {parity.max_rel_deviation:.1e}",
                        [("baseline (same packs)", parity.steps, parity.baseline, solid),
@@ -242,8 +249,9 @@ def write_report(records: Sequence[RunRecord], out: Path, *, parity: ParityResul
     (out / "metrics.json").write_text(json.dumps(metrics_json(records, parity=parity, resume=resume), indent=1))
     curves = loss_curves(records, out / "loss_curves.png", parity=parity, resume=resume)
     charts = [curves.name] if curves else []
+    span = max(map(_timeline_end, records), default=0.0)
     for r in records:
-        timeline_gantt(r, out / f"gantt_{r.name}.png")
+        timeline_gantt(r, out / f"gantt_{r.name}.png", span=span)
         charts.append(f"gantt_{r.name}.png")
     if records:
         charts.append(memory_chart(records, out / "memory.png").name)
