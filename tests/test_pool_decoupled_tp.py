@@ -1,7 +1,8 @@
 """Decoupled training with tensor parallelism on both sides, against one process running
 the whole VLM (fp32, 1e-6): two ViT replicas, each split over a TP group of two ranks,
 feeding megatron-core's GPTModel under Megatron's own tensor parallelism (TP=2, over
-gloo), six ranks built from one world.  Every TP rank runs its slice's plan
+gloo), six ranks built from one world; and two such slices (backbone DP=2) of one ViT +
+the GPT at TP=2.  Every TP rank runs its slice's plan
 (:meth:`DecoupledLayout.executor_ranks`); only TP leaders touch the shm pool and broadcast
 what they get (:mod:`pool_tensor_parallel`).  Each TP rank's gradients are its shard of
 the reference's; the encoder replicas reduce among same-TP-rank peers only.
@@ -29,6 +30,8 @@ LAYOUTS = {
     # TP x PP = 4 ranks need 4 encoder ranks per block, a world of 8)
     "encoder-dp2-tp2.backbone-tp2": DecoupledLayout(encoder_dp=2, encoder_tp=2, backbone_tp=2, backbone_pp=1,
                                                     max_ahead=2),
+    # two slices, each a ViT (ranks 0, 1) + GPT TP=2 (ranks 2-3, 4-5): backbone DP x TP
+    "backbone-dp2-tp2": DecoupledLayout(encoder_dp=1, backbone_tp=2, backbone_pp=1, backbone_dp=2, max_ahead=2),
 }
 if os.environ.get("MINDSPEED_FLOW_POOL_TP_PP") == "1":  # 8 ranks, ~75 s here: run on demand
     LAYOUTS["encoder-dp2-tp2.backbone-tp2-pp2"] = DecoupledLayout(encoder_dp=2, encoder_tp=2, backbone_tp=2,
