@@ -70,7 +70,7 @@ def test_doctor_src_passes_the_example_on_the_pinned_upstream(roots):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (verdict,) = [line for line in proc.stderr.splitlines() if line.startswith("launch script ")]
     assert verdict.startswith(f"launch script {EXAMPLE}: ok: ")
-    owners = dict((k, int(v)) for k, v in re.findall(r"(Megatron|MindSpeed-MM|MindSpeed|mindspeed-flow) (\d+)", verdict))
+    owners = {k: int(v) for k, v in re.findall(r"(Megatron|MindSpeed-MM|MindSpeed|mindspeed-flow) (\d+)", verdict)}
     assert owners["mindspeed-flow"] == 1 and owners["MindSpeed-MM"] == 4
     assert owners["Megatron"] > 30 and owners["MindSpeed"] >= 3  # --use-fused-rmsnorm, --use-flash-attn, ...
     for file in ("pretrain_vlm.py", "./examples/qwen2.5vl/model_7b.json", "./mindspeed_mm/tools/tools.json"):
