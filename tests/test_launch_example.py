@@ -144,6 +144,15 @@ def test_missing_or_broken_tree_file_is_named_with_the_line_that_names_it(roots,
     assert finding.subject == "--mm-model" and "not valid JSON" in finding.problem
 
 
+def test_inline_flag_values_are_checked_too(roots, tmp_path):
+    script = tmp_path / "inline.sh"
+    script.write_text(EXAMPLE.read_text().replace("    --mm-model $MM_MODEL \\\n",
+                                                  "    --mm-model=./examples/qwen2.5vl/model_7B.json \\\n"))
+    (finding,) = check_launch_script(script, roots).findings
+    assert (finding.line, finding.subject) == (line_of(script, "--mm-model="), "--mm-model")
+    assert finding.problem.startswith("./examples/qwen2.5vl/model_7B.json: no such file")
+
+
 def test_value_counts_are_checked(roots, tmp_path):
     text = (EXAMPLE.read_text().replace("    --bf16 \\\n", "    --bf16 true \\\n")
             .replace("    --seed 42 \\\n", "    --seed \\\n"))

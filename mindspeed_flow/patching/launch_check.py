@@ -31,6 +31,8 @@ TREE_FILE_SUFFIXES = (".json", ".yaml", ".yml", ".py", ".sh")
 
 @dataclass(frozen=True)
 class Finding:
+    """A problem at a script line: ``subject`` is the flag (or what else is wrong)."""
+
     line: int
     subject: str
     problem: str
@@ -67,11 +69,11 @@ def mindspeed_mm_root(roots: Sequence[Path]) -> Path | None:
                  and (Path(r) / "mindspeed_mm").is_dir()), None)
 
 
-def example_scripts(package_dir: Path | None = None) -> list[Path]:
+def example_scripts() -> list[Path]:
     """The plugin's launch examples, when it is imported from a source checkout."""
     import mindspeed_flow
 
-    checkout = (package_dir or Path(mindspeed_flow.__file__).resolve().parent).parent
+    checkout = Path(mindspeed_flow.__file__).resolve().parent.parent
     return sorted((checkout / EXAMPLES).glob("*.sh"))
 
 
@@ -126,7 +128,9 @@ def _flag_values(args: list[Word]) -> list[tuple[str, Word]]:
     pairs, flag = [], None
     for word in args:
         if _is_flag(word.text):
-            flag = word.text.split("=", 1)[0]
+            flag, _, inline = word.text.partition("=")
+            if inline:
+                pairs.append((flag, Word(inline, word.line)))
         elif flag is not None:
             pairs.append((flag, word))
     return pairs
