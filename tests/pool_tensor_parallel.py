@@ -7,8 +7,9 @@ replica's TP group (:mod:`mindspeed_flow.pool.encoder_tp`), projector replicated
 backbone is megatron-core's ``GPTModel`` under Megatron's own tensor and pipeline
 parallelism (its parallel state built from the one world with the layout's
 ``megatron_parallel_kwargs``), each TP rank loading its shard of the single-process
-reference's weights.  Every TP rank runs its slice's plan; only TP leaders talk to the shm
-pool (:class:`~mindspeed_flow.pool.tensor_parallel.TensorParallelPool`)."""
+reference's weights.  Every TP rank runs its slice's plan; only TP leaders talk to the pool
+(``shm`` or ``torch``, whose group is the slice's pool ranks:
+:class:`~mindspeed_flow.pool.tensor_parallel.TensorParallelPool`)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def load_shards(gpt: nn.Module, state: dict, tp_rank: int, tp: int) -> None:
     gpt.load_state_dict(local, strict=True)
 
 
-def decoupled_worker(rank, world_size, state, name, layout):
+def decoupled_worker(rank, world_size, state, name, layout, backend):
     """This rank's part of one step; returns its role, microbatches, losses, gradients
     (``name -> (grad, partition dim)``) and what its pool served it."""
     import torch.distributed as dist
@@ -98,9 +99,9 @@ def decoupled_worker(rank, world_size, state, name, layout):
             params = {f"gpt.{global_name(n, layer_offset(gpt))}": p for n, p in gpt.named_parameters()}
         leader = layout.tp_group_ranks(rank)[0]
         pool, gets = None, []
-        if rank == leader and role.stage == 0:  # encoder replicas and first backbone stages
-            pool = open_pool("shm", capacity_bytes=1 << 20, name=f"{name}-b{replica}", owner=f"rank{rank}",
-                             timeout_s=60)
+        if rank in layout.pool_ranks(replica):  # TP leaders of encoder replicas and first backbone stages
+            where = {"group": groups["pool"]} if backend == "torch" else {"owner": f"rank{rank}"}
+            pool = open_pool(backend, capacity_bytes=1 << 20, name=f"{name}-b{replica}", timeout_s=60, **where)
             handle = pool.handle
             pool.handle = lambda key, timeout=None, producer=None: gets.append(
                 handle(key, timeout, producer)) or gets[-1]

@@ -2,7 +2,7 @@
 the whole VLM (fp32, 1e-6): two ViT replicas, each split over a TP group of two ranks,
 feeding megatron-core's GPTModel under Megatron's own tensor parallelism (TP=2, over
 gloo), six ranks built from one world; and two such slices (backbone DP=2) of one ViT +
-the GPT at TP=2.  Every TP rank runs its slice's plan
+the GPT at TP=2, through a ``torch`` pool.  Every TP rank runs its slice's plan
 (:meth:`DecoupledLayout.executor_ranks`); only TP leaders touch the shm pool and broadcast
 what they get (:mod:`pool_tensor_parallel`).  Each TP rank's gradients are its shard of
 the reference's; the encoder replicas reduce among same-TP-rank peers only.
@@ -33,6 +33,7 @@ LAYOUTS = {
     # two slices, each a ViT (ranks 0, 1) + GPT TP=2 (ranks 2-3, 4-5): backbone DP x TP
     "backbone-dp2-tp2": DecoupledLayout(encoder_dp=1, backbone_tp=2, backbone_pp=1, backbone_dp=2, max_ahead=2),
 }
+POOL_BACKEND = {"backbone-dp2-tp2": "torch"}  # the others: shm
 if os.environ.get("MINDSPEED_FLOW_POOL_TP_PP") == "1":  # 8 ranks, ~75 s here: run on demand
     LAYOUTS["encoder-dp2-tp2.backbone-tp2-pp2"] = DecoupledLayout(encoder_dp=2, encoder_tp=2, backbone_tp=2,
                                                                   backbone_pp=2, max_ahead=2)
@@ -57,7 +58,8 @@ def runs(request, reference):
     layout = LAYOUTS[request.param]
     name = f"vlmtp{os.getpid()}{len(request.param)}"
     try:
-        ranks = launch(decoupled_worker, layout.world_size, reference[0], name, layout, timeout_s=300)
+        ranks = launch(decoupled_worker, layout.world_size, reference[0], name, layout,
+                       POOL_BACKEND.get(request.param, "shm"), timeout_s=300)
     finally:
         for replica in range(layout.backbone_dp):
             destroy(f"{name}-b{replica}")
@@ -122,6 +124,7 @@ def test_layout_places_tensor_parallel_ranks():
     # slice 1, TP rank 1: its encoder replicas' TP rank 1, then its stages' TP rank 1
     assert deep.executor_ranks(15) == deep.executor_ranks(7) == [5, 7, 13, 15]
     assert deep.replica(15) == deep.replica(4) == 1 and deep.replica(11) == 0
+    assert deep.pool_ranks(1) == [4, 6, 12]  # TP leaders of slice 1's ViT replicas and first stage
     # one encoder TP rank: every backbone TP rank's executor sees the same encoder rank
     assert [DecoupledLayout(encoder_dp=2, backbone_tp=2, backbone_pp=1).executor_ranks(r) for r in (2, 3)] == [
         [0, 1, 2], [0, 1, 3]]

@@ -141,6 +141,11 @@ class DecoupledLayout:
         return ([self.encoder_rank(replica, e, encoder_tp_rank) for e in range(self.encoder_dp)]
                 + [self.backbone_rank(replica, s, backbone_tp_rank) for s in range(self.backbone_pp)])
 
+    def pool_ranks(self, replica: int) -> list[int]:
+        """The ranks of slice ``replica`` that open its pool: its encoder replicas' and its
+        first backbone stage's TP leaders (the others see the pool through them)."""
+        return [*self.replica_ranks(replica)[:self.encoder_dp], self.backbone_rank(replica, 0)]
+
     def _slice_tp_ranks(self, t: int) -> tuple[int, int]:
         """Slice ``t`` pairs encoder TP rank ``t`` with backbone TP rank ``t`` (rank 0 on the
         side with fewer TP ranks: that side talks to the other only through the pool)."""
@@ -193,6 +198,8 @@ class DecoupledLayout:
         - ``"vit"`` every encoder rank, ``"llm"`` every backbone rank;
         - ``"tp"`` this rank's TP group (encoder replica or backbone stage);
         - ``"replica"`` the ranks of this rank's executor (:meth:`executor_ranks`);
+        - ``"pool"`` its slice's :meth:`pool_ranks` (the ``group`` of a ``torch`` pool;
+          ``None`` on the other ranks);
         - ``"vit_dp"`` this encoder TP rank over every encoder replica of every slice
           (``None`` on backbone ranks);
         - ``"llm_dp"`` this backbone stage and TP rank over every slice (``None`` on
@@ -202,7 +209,8 @@ class DecoupledLayout:
         rank = dist.get_rank()
         role = self.role(rank)
         groups: dict[str, Any] = {ENCODER: dist.new_group(self.encoder_ranks),
-                                  BACKBONE: dist.new_group(self.backbone_ranks), "vit_dp": None, "llm_dp": None}
+                                  BACKBONE: dist.new_group(self.backbone_ranks), "vit_dp": None, "llm_dp": None,
+                                  "pool": None}
         mine = self.tp_group_ranks(rank)
         for first in [*self.encoder_ranks[::self.encoder_tp], *self.backbone_ranks[::self.backbone_tp]]:
             members = self.tp_group_ranks(first)
@@ -216,6 +224,10 @@ class DecoupledLayout:
                 group = dist.new_group(members)
                 if members == executor:
                     groups["replica"] = group
+        for replica in range(self.backbone_dp):
+            group = dist.new_group(self.pool_ranks(replica))
+            if rank in self.pool_ranks(replica):
+                groups["pool"] = group
         for t in range(self.encoder_tp):
             group = dist.new_group(self.encoder_ranks[t::self.encoder_tp])
             if role == (ENCODER, 0, t):
