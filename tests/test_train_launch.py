@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_flow.train.config import ConfigError, load_config
+from mindspeed_flow.train.config import ConfigError, check_resume, load_config
 from mindspeed_flow.train.launch import RankFailed, run_world
 from mindspeed_flow.train.warnings_log import Noise, capture, summary
 
@@ -32,7 +32,6 @@ def test_shipped_configs_load(name):
     ("optim:\n  betas: [0.9]\n", r"optim\.betas: expected a list of 2 numbers"),
     ("model:\n  llm_layers: 2.5\n", r"model\.llm_layers: expected int, got float 2\.5"),
     ("layout:\n  world_size: 3\n", r"layout\.baseline_pp: 2 does not divide layout\.world_size 3"),
-    ("steps: 4\nresume_at: 4\n", r"resume_at: must be between 1 and steps - 1 = 3, got 4"),
     ("layout:\n  pool_backend: nfs\n", r"layout\.pool_backend: 'nfs' is not one of"),
     ("- a\n- b\n", r"the top level must be a mapping"),
     ("data: [1, 2\n", r"not valid YAML"),
@@ -43,6 +42,24 @@ def test_config_errors_name_the_file_and_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(path)
     assert str(path) in str(info.value)
+
+
+def test_resume_needs_a_step_to_stop_after(tmp_path):
+    path = tmp_path / "resume.yaml"
+    path.write_text("steps: 4\nresume_at: 4\n")
+    cfg = load_config(path)  # fine without the resume check
+    with pytest.raises(ConfigError, match=r"resume_at: must be between 1 and steps - 1 = 3 .*got 4"):
+        check_resume(cfg, path)
+
+
+def test_cli_prints_a_config_error_without_a_traceback(tmp_path, capsys):
+    from mindspeed_flow.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("steps: 0\n")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: steps: must be >= 1, got 0" in err and "Traceback" not in err
 
 
 def test_config_overrides_and_float_strings(tmp_path):

@@ -142,10 +142,15 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
                         f"({lay.flow_encoder_dp} + {lay.flow_backbone_pp}) is not world_size {lay.world_size}")
     if lay.pool_backend not in POOL_BACKENDS:
         problems.append(f"layout.pool_backend: {lay.pool_backend!r} is not one of {POOL_BACKENDS}")
-    if not 0 < cfg.resume_at < cfg.steps:
-        problems.append(f"resume_at: must be between 1 and steps - 1 = {cfg.steps - 1}, got {cfg.resume_at}")
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))
+
+
+def check_resume(cfg: TrainConfig, path: str | Path = "<config>") -> None:
+    """The resume check needs a step to stop after and at least one step to resume."""
+    if not 0 < cfg.resume_at < cfg.steps:
+        raise ConfigError(f"{path}: resume_at: must be between 1 and steps - 1 = {cfg.steps - 1} for the resume "
+                          f"check, got {cfg.resume_at} (set resume_at, or pass --no-resume-check)")
 
 
 def _build(cls: type, raw: Any, path: Path, prefix: str) -> Any:
@@ -192,4 +197,4 @@ def as_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 __all__ = ["ConfigError", "DataConfig", "LayoutConfig", "OptimConfig", "TrainConfig", "as_dict", "check_config",
-           "load_config"]
+           "check_resume", "load_config"]

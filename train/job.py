@@ -229,14 +229,20 @@ def compare_resume(results: list[dict[str, RankRun]], cfg: "TrainConfig"):
 
 def main(args: argparse.Namespace) -> int:
     """``mindspeed-flow train``: see the module docstring."""
-    from mindspeed_flow.train.config import as_dict, load_config
+    from mindspeed_flow.train.config import ConfigError, as_dict, check_resume, load_config
     from mindspeed_flow.train.feed import with_tokenizer
     from mindspeed_flow.train.launch import RankFailed, run_world
     from mindspeed_flow.train.warnings_log import summary
 
-    cfg = load_config(args.config, steps=args.steps, world_size=args.nproc,
-                      report_dir=str(args.report) if args.report is not None else None)
     phases = Phases.from_args(args)
+    try:
+        cfg = load_config(args.config, steps=args.steps, world_size=args.nproc,
+                          report_dir=str(args.report) if args.report is not None else None)
+        if phases.resume:
+            check_resume(cfg, args.config)
+    except ConfigError as exc:
+        print(f"mindspeed-flow train: {exc}", file=sys.stderr)
+        return 2
     cfg = with_tokenizer(cfg)  # makes the corpus first if missing, before the ranks start
     print(f"mindspeed-flow train {args.config}: {cfg.layout.world_size} ranks, {cfg.steps} steps; phases: "
           f"{', '.join(phases.runs) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
