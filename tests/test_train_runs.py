@@ -310,6 +310,16 @@ def test_allocator_plans_flowtrain_cannot_run_say_why(plan, reason):
     assert (reason in why and why) if reason else why == ""
 
 
+def test_the_best_plan_flowtrain_can_run_is_chosen():
+    from mindspeed_flow.train.flow import first_realisable
+
+    colocated, runner_up = _plan(2, 2, 1, placement="colocated"), _plan(2, 2, 1)
+    chosen, why = first_realisable([colocated, colocated, runner_up], 4)
+    assert chosen is runner_up and why.count("co-located") == 1  # the same reason once
+    chosen, why = first_realisable([colocated, _plan(4, 1, 2)], 4)
+    assert chosen is None and "co-located" in why and "uses 6 of the 4 ranks" in why
+
+
 def test_flow_layout_follows_the_allocator_or_says_why_not():
     import dataclasses
 

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 
 class BaselineTrainer(Trainer):
+    """The baseline on this rank: one pipeline stage of one data-parallel replica (stage 0
+    holds the ViT too)."""
+
     name = "baseline"
     features = ("1F1B (megatron-core)", "ViT in stage 0", "padded microbatches", "dense masks", "Conv3d")
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 FUSED_ATTN = "fused_attn"
 # The CPU cluster and measured profile the allocator plans the tiny model on.
 ALLOCATOR_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "allocator" / "tiny_cpu.yaml"
+ALTERNATIVES = 3  # runners-up asked of the allocator, for when its best plan cannot run here
 _POOL_MIN_BYTES = 8 << 20
 _instances = iter(range(1 << 30))
 
@@ -64,11 +65,12 @@ def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
     if lay.use_allocator:
         plan, reason = allocator_plan(cfg, world_size)
         if plan is not None:
+            better = f" (better plans that cannot run here: {reason})" if reason else ""
             b = plan.backbone
             decoupled = DecoupledLayout(encoder_dp=plan.encoder.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp,
                                         max_ahead=lay.max_ahead, encoder_layers=cfg.model.vit_layers,
                                         backbone_layers=cfg.model.llm_layers)
-            return FlowLayout(decoupled, tuple(b.layer_split), f"allocator plan used: {describe_plan(plan)}")
+            return FlowLayout(decoupled, tuple(b.layer_split), f"allocator plan used: {describe_plan(plan)}{better}")
     decoupled = DecoupledLayout(encoder_dp=lay.flow_encoder_dp, backbone_pp=lay.flow_backbone_pp,
                                 backbone_dp=lay.flow_backbone_dp, max_ahead=lay.max_ahead,
                                 encoder_layers=cfg.model.vit_layers, backbone_layers=cfg.model.llm_layers)
@@ -92,8 +94,9 @@ def check_megatron_placement(layout: "DecoupledLayout") -> None:
 
 
 def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
-    """``(plan, "")`` when the allocator's best plan for the tiny model on ``world_size``
-    CPU devices (TP 1) is realisable here, else ``(None, why not)``."""
+    """The best of the allocator's plans (and runners-up) for the tiny model on
+    ``world_size`` CPU devices (TP 1) that a :class:`DecoupledLayout` runs, with why the
+    better ones could not; ``(None, why none could)`` when none can."""
     from mindspeed_flow.allocator import (AllocatorError, InfeasibleError, ModelSpec, ModuleSpec, Profile,
                                           ProxyModel, load_config, solve)
 
@@ -110,12 +113,24 @@ def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
     try:
         base = load_config(ALLOCATOR_CONFIG)
         cluster = replace(base.cluster, devices=world_size)
-        workload = replace(base.workload, global_batch=cfg.data.packs_per_step, tp_choices=(1,), alternatives=0)
+        workload = replace(base.workload, global_batch=cfg.data.packs_per_step, tp_choices=(1,),
+                           alternatives=ALTERNATIVES)
         plan = solve(model, cluster, ProxyModel(Profile.load(base.profile), cluster), workload)
     except (InfeasibleError, AllocatorError, OSError) as exc:
         return None, f"the allocator found no plan ({exc})"
-    why = unrealisable(plan, world_size)
-    return (None, f"{why}: {describe_plan(plan)}") if why else (plan, "")
+    return first_realisable([plan, *plan.alternatives], world_size)
+
+
+def first_realisable(plans: list, world_size: int) -> tuple[Any, str]:
+    """The first of ``plans`` (best first) that :func:`unrealisable` lets run, with why
+    each one before it cannot; ``(None, why none can)``."""
+    skipped = []
+    for plan in plans:
+        why = unrealisable(plan, world_size)
+        if not why:
+            return plan, "; ".join(dict.fromkeys(skipped))
+        skipped.append(f"{why}: {describe_plan(plan)}")
+    return None, "; ".join(dict.fromkeys(skipped))  # runners-up may repeat a shape
 
 
 def unrealisable(plan: Any, world_size: int) -> str:
@@ -147,6 +162,9 @@ def describe_plan(plan: Any) -> str:
 
 
 class FlowTrainer(Trainer):
+    """FlowTrain on this rank (a ViT replica or a GPT stage of :func:`flow_layout`'s layout).
+    It always trains the step's packs as they are, so ``parity`` changes nothing here."""
+
     name = "flowtrain"
     features = ("packing loader", "allocator plan", "decoupled schedule over the pool", "varlen attention",
                 "Conv->Matmul")
@@ -160,6 +178,9 @@ class FlowTrainer(Trainer):
         from mindspeed_flow.train.model import StageModule, build_gpt_stage, init_vision_encoder
 
         super().__init__(cfg, env, parity=parity)
+        if cfg.layout.pool_backend == "local":
+            raise ValueError("layout.pool_backend 'local' shares tensors between the threads of one process, but the "
+                             "ranks are processes: use 'shm' (one host) or 'torch'")
         chosen = flow_layout(cfg, env.world_size)
         self.decoupled = layout = chosen.decoupled
         self.layout, self.plan_text = chosen.describe(), chosen.plan_text
