@@ -26,7 +26,7 @@ def _flush_c_stdout() -> None:
     """Flush C's stdio buffers (HiGHS prints through them), where libc can be loaded."""
     try:
         ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no libc to load by that name (not Linux/macOS)
         pass
 
 
@@ -34,7 +34,8 @@ def _flush_c_stdout() -> None:
 def _stdout_fd_discarded() -> Iterator[None]:
     """File descriptor 1 redirected to a scratch file inside the block (nothing to redirect
     when it is closed)."""
-    sys.stdout.flush()
+    if sys.stdout is not None:
+        sys.stdout.flush()
     _flush_c_stdout()
     try:
         saved = os.dup(1)
