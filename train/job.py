@@ -72,6 +72,16 @@ class RankRun:
     seconds: float = 0.0
 
 
+@dataclass
+class RankResult:
+    """Everything one rank hands back: its part of each phase, and when its worker started
+    and ended (wall clock, so the parent can tell start-up and tear-down from training)."""
+
+    runs: dict[str, RankRun]
+    started_at: float
+    finished_at: float
+
+
 # ---------------------------------------------------------------------- on every rank
 
 
@@ -135,8 +145,9 @@ def _load_checkpoint(directory: Path, trainer: Any, feed: "StepFeed", env: "Dist
     feed.load_state_dict(state["feed"])
 
 
-def rank_main(env: "DistEnv", emit: Callable, cfg: "TrainConfig", phases: Phases) -> dict[str, RankRun]:
+def rank_main(env: "DistEnv", emit: Callable, cfg: "TrainConfig", phases: Phases) -> RankResult:
     """Every phase on this rank (the launched worker)."""
+    started_at = time.time()
     out: dict[str, RankRun] = {}
     checkpoint_at = cfg.resume_at if phases.resume else None
     for kind in phases.runs:
@@ -152,7 +163,7 @@ def rank_main(env: "DistEnv", emit: Callable, cfg: "TrainConfig", phases: Phases
                                      checkpoint_at=cfg.resume_at)
         out["resume"] = _train(RESUME_RUN, cfg, env, emit, phase="resume", steps=cfg.steps,
                                resume_from=cfg.checkpoint_path)
-    return out
+    return RankResult(out, started_at, time.time())
 
 
 # ---------------------------------------------------------------------- in the parent
@@ -197,21 +208,21 @@ def run_record(name: str, ranks: list[RankRun], world_size: int):
                      ranks=[r.rank_record for r in ranks], timeline=timeline, device=first.info["device"])
 
 
-def compare_parity(results: list[dict[str, RankRun]]):
+def compare_parity(results: list[RankResult]):
     from mindspeed_flow.train.metrics import ParityResult
 
-    base, flow = results[0]["parity-baseline"], results[0]["parity-flowtrain"]
+    base, flow = results[0].runs["parity-baseline"], results[0].runs["parity-flowtrain"]
     return ParityResult.compare([s.step for s in base.steps], [s.loss for s in base.steps],
                                 [s.loss for s in flow.steps])
 
 
-def compare_resume(results: list[dict[str, RankRun]], cfg: "TrainConfig"):
+def compare_resume(results: list[RankResult], cfg: "TrainConfig"):
     """Resumed curve = the uninterrupted run's losses up to the stop, then the resumed run's;
     a repeated sample is one fed more often (before the stop and after the resume together)
     than the uninterrupted run fed it; samples fed in another order or skipped fail too."""
     from mindspeed_flow.train.metrics import ResumeResult
 
-    whole, resumed = results[0][RESUME_RUN], results[0]["resume"]
+    whole, resumed = results[0].runs[RESUME_RUN], results[0].runs["resume"]
     k = cfg.resume_at
     losses = [s.loss for s in whole.steps]
     curve = losses[:k] + [s.loss for s in resumed.steps]
@@ -248,7 +259,7 @@ def main(args: argparse.Namespace) -> int:
           f"{', '.join(phases.runs) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
           flush=True)
     progress = Progress()
-    started = time.perf_counter()
+    started, launched_at = time.perf_counter(), time.time()
     try:
         launched = run_world(rank_main, cfg.layout.world_size, cfg, phases, on_event=progress)
     except RankFailed as exc:
@@ -260,17 +271,19 @@ def main(args: argparse.Namespace) -> int:
     if launched is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
     results, noise = launched
-    wall_s = time.perf_counter() - started
+    timing = {"ranks_ready_s": max(r.started_at for r in results) - launched_at,
+              "ranks_stopped_s": time.time() - max(r.finished_at for r in results),
+              "launch_wall_s": time.perf_counter() - started}
     print(summary(noise, cfg.layout.world_size))
-    return _report(cfg, phases, results, noise, wall_s, as_dict(cfg))
+    return _report(cfg, phases, results, noise, timing, as_dict(cfg))
 
 
-def _report(cfg: "TrainConfig", phases: Phases, results: list[dict[str, RankRun]], noise: Any, wall_s: float,
+def _report(cfg: "TrainConfig", phases: Phases, results: list[RankResult], noise: Any, timing: dict[str, float],
             config: dict) -> int:
     from mindspeed_flow.train.report import format_table, write_report
 
     world = cfg.layout.world_size
-    records = [run_record(kind, [r[kind] for r in results], world) for kind in phases.runs]
+    records = [run_record(kind, [r.runs[kind] for r in results], world) for kind in phases.runs]
     parity = compare_parity(results) if phases.parity else None
     resume, same_samples = compare_resume(results, cfg) if phases.resume else (None, True)
     out = Path(cfg.report_dir)
@@ -278,9 +291,9 @@ def _report(cfg: "TrainConfig", phases: Phases, results: list[dict[str, RankRun]
     if records:
         print(format_table(records))
     write_report(records, out, parity=parity, resume=resume)
-    phase_s = {name: max(r[name].seconds for r in results) for name in results[0]}
-    (out / "job.json").write_text(json.dumps({"config": config, "wall_s": wall_s, "phase_s": phase_s,
-                                              "ranks": world, "resume_same_samples": same_samples}, indent=1) + "\n")
+    phase_s = {name: max(r.runs[name].seconds for r in results) for name in results[0].runs}
+    (out / "job.json").write_text(json.dumps({"config": config, **timing, "phase_s": phase_s, "ranks": world,
+                                              "resume_same_samples": same_samples}, indent=1) + "\n")
     (out / "warnings.json").write_text(json.dumps(noise.to_json(), indent=1) + "\n")
     failed = []
     for check in (parity, resume):
@@ -289,5 +302,6 @@ def _report(cfg: "TrainConfig", phases: Phases, results: list[dict[str, RankRun]
             failed += [] if check.passed else [check]
     if resume is not None and not same_samples:
         print("resume FAIL: the samples fed after the resume differ from the uninterrupted run's")
-    print(f"report: {out}/ (job wall time {wall_s:.1f} s)")
+    print(f"report: {out}/ (ranks: {timing['launch_wall_s']:.1f} s, of which start-up {timing['ranks_ready_s']:.1f} s, "
+          f"phases {sum(phase_s.values()):.1f} s)")
     return 1 if failed else 0
