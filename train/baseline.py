@@ -57,7 +57,7 @@ class BaselineTrainer(Trainer):
         self.modules = {"stage": self.model}
         self.role = f"pp{self.stage} dp{self.replica}" + (" (ViT + LLM)" if vit is not None else " (LLM)")
         self.layout = f"PP={pp} x DP={self.replicas}, ViT in stage 0, LLM layers {layers}"
-        self.stamps = MegatronStamps(env.rank)
+        self.stamps = MegatronStamps(env.rank, env.device)
         self.stamps.install()
         self.make_optimizer()
 

@@ -28,12 +28,21 @@ _ACTION_KINDS = {"F": "F", "B": "B", "I": "B", "W": "W", "SEND_A": "SEND", "SEND
 
 
 class StepStamps:
-    """This rank's intervals of the current step, measured from ``origin``."""
+    """This rank's intervals of the current step, measured from ``origin``.
 
-    def __init__(self, rank: int) -> None:
+    On a GPU, kernels run after the call that launched them returns: an interval ends
+    when the device has finished (``torch.cuda.synchronize``), so it measures compute,
+    not launch."""
+
+    def __init__(self, rank: int, device: Any = None) -> None:
         self.rank = rank
         self.origin = time.monotonic()
         self.intervals: list[Interval] = []
+        self.sync: Callable[[], None] = lambda: None
+        if device is not None and device.type == "cuda":
+            import torch
+
+            self.sync = torch.cuda.synchronize
 
     def start(self, origin: float) -> None:
         self.origin = origin
@@ -43,11 +52,15 @@ class StepStamps:
         self.intervals.append(Interval(self.rank, region, kind, microbatch, max(0.0, start - self.origin),
                                        max(0.0, end - self.origin)))
 
+    def now(self) -> float:
+        self.sync()
+        return time.monotonic()
+
     @contextmanager
     def timed(self, region: str, kind: str, microbatch: int = NO_MICROBATCH) -> Iterator[None]:
-        start = time.monotonic()
+        start = self.now()
         yield
-        self.add(region, kind, microbatch, start, time.monotonic())
+        self.add(region, kind, microbatch, start, self.now())
 
 
 class MegatronStamps(StepStamps):
@@ -58,8 +71,8 @@ class MegatronStamps(StepStamps):
     Microbatches are numbered within this rank's data-parallel replica, as Megatron does.
     """
 
-    def __init__(self, rank: int, region: str = "llm") -> None:
-        super().__init__(rank)
+    def __init__(self, rank: int, device: Any = None, region: str = "llm") -> None:
+        super().__init__(rank, device)
         self.region = region
         self._forwards = 0
         self._backwards = 0
@@ -73,18 +86,18 @@ class MegatronStamps(StepStamps):
         """``forward_step_func`` that records an ``F`` interval around each call."""
 
         def timed_forward_step(data_iterator: Any, model: Any, *rest: Any) -> Any:
-            start = time.monotonic()
+            start = self.now()
             out = forward_step_func(data_iterator, model, *rest)
-            self.add(self.region, "F", self._forwards, start, time.monotonic())
+            self.add(self.region, "F", self._forwards, start, self.now())
             self._forwards += 1
             return out
 
         return timed_forward_step
 
     def _backward(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-        start = time.monotonic()
+        start = self.now()
         out = wrapped(*args, **kwargs)
-        self.add(self.region, "B", self._backwards, start, time.monotonic())
+        self.add(self.region, "B", self._backwards, start, self.now())
         self._backwards += 1
         return out
 

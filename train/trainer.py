@@ -71,7 +71,7 @@ class Trainer:
         self.plan_text: str | None = None
         self.modules: dict[str, torch.nn.Module] = {}
         self.optimizer: torch.optim.Optimizer | None = None
-        self.stamps = StepStamps(env.rank)
+        self.stamps = StepStamps(env.rank, env.device)
         self.outcomes: list[StepOutcome] = []
         reset_peak_memory(env.device)  # the peak is this run's, not an earlier run's in this process
 
@@ -112,11 +112,12 @@ class Trainer:
         self.optimizer.step()
         totals = torch.tensor([local.loss, float(local.padded_tokens)], dtype=torch.float64, device=self.env.device)
         dist.all_reduce(totals)
+        loss, padded = totals.tolist()  # waits for the device: the step has ended
         step_s = time.monotonic() - origin
-        outcome = StepOutcome(step=data.step, loss=float(totals[0]),
+        outcome = StepOutcome(step=data.step, loss=loss,
                               samples=sum(len(p["sample_ids"]) for p in data.packs),
                               tokens=sum(int(p["input_ids"].numel()) for p in data.packs),
-                              padded_tokens=int(round(float(totals[1]))), step_s=step_s,
+                              padded_tokens=int(round(padded)), step_s=step_s,
                               intervals=list(self.stamps.intervals))
         self.outcomes.append(outcome)
         return outcome
