@@ -164,7 +164,8 @@ def _worker(rank, world_size):
             saved[kind] = _through_file(trainer.state_dict())
             outcomes += [trainer.train_step(data) for data in steps[SAVE_AFTER:STEPS]]
             after = _flat(trainer)
-            info = {"role": trainer.role, "plan_text": trainer.plan_text, "layout": trainer.layout,
+            info = {"role": trainer.role, "plan_text": trainer.plan_text, "features": trainer.features,
+                    "layout": trainer.layout,
                     "record": trainer.rank_record(), "grads": first_grads}
             trainer.close()
             resumed = build_trainer(kind, cfg, env, parity=True)
@@ -279,6 +280,7 @@ def test_flow_timeline_has_pool_puts_and_gets(ranks):
                           if iv.kind == "F")
     assert vit_forwards == list(range(PACKS_PER_STEP))  # each microbatch's embeddings made once
     assert "co-located" in ranks[0]["flowtrain"]["plan_text"]  # 4 CPU ranks: the allocator co-locates
+    assert "allocator plan" not in ranks[0]["flowtrain"]["features"]  # so the report does not claim it
 
 
 # --------------------------------------------------------------------------- layouts (one process)
@@ -333,7 +335,7 @@ def test_flow_layout_follows_the_allocator_or_says_why_not():
             assert world == 6 and "not the allocator's layout because" in str(exc)
             continue
         assert chosen.decoupled.world_size == world
-        if chosen.plan_text.startswith("allocator plan used"):
+        if chosen.from_allocator:
             assert f"backbone pp={chosen.decoupled.backbone_pp} dp={chosen.decoupled.backbone_dp}" in chosen.plan_text
         else:  # the config's 2 ViT + PP=2 layout, which fits 4 ranks only
             assert world == 4 and chosen.plan_text.startswith("config layout") and "allocator" in chosen.plan_text

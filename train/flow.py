@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 FUSED_ATTN = "fused_attn"
 # The CPU cluster and measured profile the allocator plans the tiny model on.
 ALLOCATOR_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "allocator" / "tiny_cpu.yaml"
+ALLOCATOR_FEATURE = "allocator plan"
 ALTERNATIVES = 3  # runners-up asked of the allocator, for when its best plan cannot run here
 _POOL_MIN_BYTES = 8 << 20
 _instances = iter(range(1 << 30))
@@ -46,6 +47,7 @@ class FlowLayout:
     decoupled: "DecoupledLayout"
     layer_split: tuple[int, ...]
     plan_text: str
+    from_allocator: bool
 
     def describe(self) -> str:
         d = self.decoupled
@@ -70,7 +72,8 @@ def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
             decoupled = DecoupledLayout(encoder_dp=plan.encoder.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp,
                                         max_ahead=lay.max_ahead, encoder_layers=cfg.model.vit_layers,
                                         backbone_layers=cfg.model.llm_layers)
-            return FlowLayout(decoupled, tuple(b.layer_split), f"allocator plan used: {describe_plan(plan)}{better}")
+            return FlowLayout(decoupled, tuple(b.layer_split), f"allocator plan used: {describe_plan(plan)}{better}",
+                              from_allocator=True)
     decoupled = DecoupledLayout(encoder_dp=lay.flow_encoder_dp, backbone_pp=lay.flow_backbone_pp,
                                 backbone_dp=lay.flow_backbone_dp, max_ahead=lay.max_ahead,
                                 encoder_layers=cfg.model.vit_layers, backbone_layers=cfg.model.llm_layers)
@@ -80,7 +83,8 @@ def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
                          f"layout because {reason})")
     check_megatron_placement(decoupled)
     split = tuple(even_split(cfg.model.llm_layers, decoupled.backbone_pp))
-    return FlowLayout(decoupled, split, f"config layout (flow_encoder_dp/flow_backbone_pp/flow_backbone_dp): {reason}")
+    return FlowLayout(decoupled, split, f"config layout (flow_encoder_dp/flow_backbone_pp/flow_backbone_dp): {reason}",
+                      from_allocator=False)
 
 
 def check_megatron_placement(layout: "DecoupledLayout") -> None:
@@ -166,7 +170,7 @@ class FlowTrainer(Trainer):
     It always trains the step's packs as they are, so ``parity`` changes nothing here."""
 
     name = "flowtrain"
-    features = ("packing loader", "allocator plan", "decoupled schedule over the pool", "varlen attention",
+    features = ("packing loader", ALLOCATOR_FEATURE, "decoupled schedule over the pool", "varlen attention",
                 "Conv->Matmul")
 
     def __init__(self, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> None:
@@ -184,6 +188,9 @@ class FlowTrainer(Trainer):
         chosen = flow_layout(cfg, env.world_size)
         self.decoupled = layout = chosen.decoupled
         self.layout, self.plan_text = chosen.describe(), chosen.plan_text
+        if not chosen.from_allocator:
+            self.features = tuple("layout from the config (allocator's plan not runnable, see plan)"
+                                  if f == ALLOCATOR_FEATURE else f for f in self.features)
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=layout.backbone_pp,
                                                  order="tp-cp-ep-pp-dp")
         self.groups = layout.new_groups()
