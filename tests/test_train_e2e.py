@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -122,3 +123,30 @@ def test_report_files_and_readable_terminal(job):
     apex = [row for row in noise if "Apex is not installed" in row["message"]]
     assert apex and sum(row["count"] for row in apex) > len(apex)  # raised in several ranks ...
     assert job["output"].count("Apex is not installed") == len(apex)  # ... printed once each
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_under_torchrun_each_process_is_one_rank_and_rank_zero_reports(tmp_path):
+    """The same command started by torchrun (RANK/WORLD_SIZE set): the ranks do not spawn,
+    every one makes the missing corpus without clobbering the others, rank 0 gathers the
+    results and the warnings and writes the report (the parity phase only, to stay short)."""
+    report = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+         "--master-port", str(_free_port()), "-m", "mindspeed_flow.cli", "train", str(CONFIG), "--parity",
+         "--report", str(report)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    metrics = json.loads((report / "metrics.json").read_text())
+    assert metrics["parity"]["passed"] and metrics["runs"] == {}
+    assert output.count("parity PASS") == 1 and output.count("report: ") == 1  # rank 0 alone reports
+    noise = json.loads((report / "warnings.json").read_text())
+    assert sum(row["count"] for row in noise if "Apex is not installed" in row["message"]) > 1  # from several ranks
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["demo_data"]  # no stray private copies
+

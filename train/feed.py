@@ -12,6 +12,9 @@ feed yields exactly the steps the uninterrupted one would have, no sample twice.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -37,13 +40,29 @@ class StepData:
 
 
 def ensure_corpus(cfg: "TrainConfig") -> Path:
-    """The corpus directory of ``cfg.data``; made with ``make_demo_corpus`` when it holds no
-    records yet (then it is the demo corpus of ``data.samples`` records and ``data.seed``)."""
+    """The corpus directory of ``cfg.data``; made with ``make_demo_corpus`` when it does not
+    exist yet (then it is the demo corpus of ``data.samples`` records and ``data.seed``).
+
+    Several processes may get here at once (every rank under torchrun): each writes a
+    private copy and renames it into place; the first rename wins, the others are dropped
+    (the corpus is deterministic, so every copy is the same)."""
     from mindspeed_flow.data.demo import make_demo_corpus
 
     path = Path(cfg.data.path)
-    if not any(path.glob("*.json*")):
-        make_demo_corpus(path, samples=cfg.data.samples, seed=cfg.data.seed)
+    if path.exists():
+        if not any(path.glob("*.json*")):
+            raise FileNotFoundError(f"data.path {path} exists but holds no .json/.jsonl corpus shards")
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        make_demo_corpus(private, samples=cfg.data.samples, seed=cfg.data.seed)
+        os.rename(private, path)
+    except OSError:
+        if not path.exists():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     return path
 
 
