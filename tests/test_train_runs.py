@@ -246,7 +246,7 @@ def test_padded_baseline_has_the_same_first_loss_and_counts_padding(ranks):
     assert (padded.samples, padded.tokens) == (packed.samples, packed.tokens)
     assert packed.padded_tokens == packed.tokens < padded.padded_tokens
     # the replicas (stage 0 on ranks 0 and 1) share the padded microbatches evenly
-    forwards = [sum(iv.kind == "F" for iv in got["padded"].intervals) for got in ranks[:2]]
+    forwards = [sum(iv.kind == "F" and iv.region == "llm" for iv in got["padded"].intervals) for got in ranks[:2]]
     assert sum(forwards) == -(-padded.samples // 2) and abs(forwards[0] - forwards[1]) <= 1
 
 
@@ -259,12 +259,20 @@ def test_resume_continues_exactly(ranks):
 
 
 def test_baseline_timeline_has_one_forward_and_backward_per_microbatch_per_stage(ranks):
+    """Per region of the stage: stage 0 (ranks 0, 1) runs the ViT first in its forward and
+    last in its backward, then the LLM; stage 1 (ranks 2, 3) the LLM only."""
     microbatches = PACKS_PER_STEP // 2  # each of the 2 data-parallel replicas
     for rank, got in enumerate(ranks):
+        regions = ("vit", "llm") if rank < 2 else ("llm",)
         for outcome in got["baseline"]["outcomes"]:
-            computes = sorted((iv.kind, iv.microbatch) for iv in outcome.intervals if iv.kind in ("F", "B"))
-            assert computes == sorted((k, m) for k in "FB" for m in range(microbatches)), rank
+            computes = sorted((iv.region, iv.kind, iv.microbatch) for iv in outcome.intervals if iv.kind in "FB")
+            assert computes == sorted((r, k, m) for r in regions for k in "FB" for m in range(microbatches)), rank
             assert all(0 <= iv.start <= iv.end <= outcome.step_s for iv in outcome.intervals)
+            if rank < 2:
+                by = {(iv.region, iv.kind, iv.microbatch): iv for iv in outcome.intervals}
+                for m in range(microbatches):
+                    assert by["vit", "F", m].end <= by["llm", "F", m].start
+                    assert by["llm", "B", m].end <= by["vit", "B", m].start
         record = got["baseline"]["record"]
         assert 0 < record.busy_s < record.step_s and 0 < record.idle_fraction < 1
         assert 0 < record.peak_memory_mb < got["peak_before"]  # this run's peak, without the ballast

@@ -59,6 +59,8 @@ class BaselineTrainer(Trainer):
         self.layout = f"PP={pp} x DP={self.replicas}, ViT in stage 0, LLM layers {layers}"
         self.stamps = MegatronStamps(env.rank, env.device)
         self.stamps.install()
+        if vit is not None:
+            self.stamps.watch_encoder(vit)
         self.make_optimizer()
 
     def microbatches(self, data: "StepData") -> list:

@@ -69,37 +69,68 @@ class MegatronStamps(StepStamps):
     :meth:`install` wraps ``schedules.backward_step`` (the schedule looks it up in its module
     at every call, so the wrapper sees every backward); :meth:`remove` restores it.
     Microbatches are numbered within this rank's data-parallel replica, as Megatron does.
+    A stage that runs an encoder inside it (the baseline's ViT in stage 0) splits its
+    intervals at the encoder (:meth:`watch_encoder`).
     """
 
-    def __init__(self, rank: int, device: Any = None, region: str = "llm") -> None:
+    def __init__(self, rank: int, device: Any = None) -> None:
         super().__init__(rank, device)
-        self.region = region
         self._forwards = 0
         self._backwards = 0
         self._registry: Any = None
+        self._hooks: list = []
+        self._encoder_done: float | None = None  # when this forward's encoder returned
+        self._encoder_grad: float | None = None  # when this backward reached the encoder's output
 
     def start(self, origin: float) -> None:
         super().start(origin)
         self._forwards = self._backwards = 0
 
+    def watch_encoder(self, encoder: Any) -> None:
+        """Time ``encoder`` (a module the stage calls first in its forward, so last in its
+        backward) as region ``vit``: its forward ends when it returns, its backward starts
+        when the gradient reaches its output (a tensor hook)."""
+
+        def returned(module: Any, args: Any, output: Any) -> None:
+            self._encoder_done = self.now()
+            if output.requires_grad:
+                output.register_hook(reached)
+
+        def reached(grad: Any) -> None:
+            self._encoder_grad = self.now()
+
+        self._hooks.append(encoder.register_forward_hook(returned))
+
     def forward_step(self, forward_step_func: Callable) -> Callable:
         """``forward_step_func`` that records an ``F`` interval around each call."""
 
         def timed_forward_step(data_iterator: Any, model: Any, *rest: Any) -> Any:
+            self._encoder_done = None
             start = self.now()
             out = forward_step_func(data_iterator, model, *rest)
-            self.add(self.region, "F", self._forwards, start, self.now())
+            self._record("F", self._forwards, start, self._encoder_done, self.now())
             self._forwards += 1
             return out
 
         return timed_forward_step
 
     def _backward(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        self._encoder_grad = None
         start = self.now()
         out = wrapped(*args, **kwargs)
-        self.add(self.region, "B", self._backwards, start, self.now())
+        self._record("B", self._backwards, start, self._encoder_grad, self.now())
         self._backwards += 1
         return out
+
+    def _record(self, kind: str, microbatch: int, start: float, split: float | None, end: float) -> None:
+        """One ``llm`` interval, or the encoder's part (first in a forward, last in a
+        backward) and the rest when the encoder ran at ``split``."""
+        if split is None:
+            self.add("llm", kind, microbatch, start, end)
+            return
+        first, second = ("vit", "llm") if kind == "F" else ("llm", "vit")
+        self.add(first, kind, microbatch, start, split)
+        self.add(second, kind, microbatch, split, end)
 
     def install(self) -> None:
         from mindspeed_flow.patching import Patch, PatchRegistry
@@ -117,6 +148,9 @@ class MegatronStamps(StepStamps):
         if self._registry is not None:
             self._registry.remove()
             self._registry = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 def executor_intervals(stamps: StepStamps, timeline: Any) -> None:
