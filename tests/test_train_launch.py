@@ -122,3 +122,23 @@ def test_a_failing_rank_stops_every_rank_with_its_traceback(tmp_path):
         pid = int((tmp_path / f"{rank}.pid").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_device_choice_cuda_is_a_mock_here(monkeypatch):
+    """No GPU exists on this machine: CUDA is mocked (is_available/device_count) to check
+    the choice only; nccl on cuda:<local rank> needs a GPU per local rank, else gloo on CPU."""
+    import torch
+
+    from mindspeed_flow.train.launch import make_env
+
+    assert make_env(1, 4, 1, 4) == make_env(1, 4, 1, 4)  # frozen dataclass, comparable
+    cpu = make_env(1, 4, 1, 4)
+    if not torch.cuda.is_available():
+        assert (cpu.backend, cpu.device.type, cpu.cpu) == ("gloo", "cpu", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    gpu = make_env(5, 8, 1, 4)
+    assert (gpu.backend, gpu.device, gpu.cpu) == ("nccl", torch.device("cuda", 1), False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # fewer GPUs than local ranks
+    assert make_env(1, 4, 1, 4).backend == "gloo"
+
