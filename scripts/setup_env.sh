@@ -20,6 +20,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
+# megatron-core 0.12 goes in with --no-deps (below), so every later pip call lists its
+# undeclared optional dependencies under "ERROR: pip's dependency resolver ...": expected,
+# and a wall of ERROR lines for a newcomer.  Those lines only are dropped from stderr.
+quiet_megatron_resolver() {
+    grep -v -e '^megatron-core [0-9][0-9.a-z]* requires ' \
+        -e "^ERROR: pip's dependency resolver does not currently take into account" >&2 || true
+}
+
 # torch first, pinned exactly: this is the CPU wheel on this machine's disk.  Any looser
 # spec would pull a multi-GB CUDA build from the registry.
 "${PIP[@]}" install "torch==2.13.0" "setuptools>=64" wheel
@@ -31,7 +39,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 case "$MEGATRON_CORE_VERSION" in
     0.12.*|0.13.*|0.14.*|0.15.*)
         "${PIP[@]}" install --no-deps "megatron-core==$MEGATRON_CORE_VERSION"
-        "${PIP[@]}" install numpy packaging einops
+        "${PIP[@]}" install numpy packaging einops 2> >(quiet_megatron_resolver)
         ;;
     *)
         "${PIP[@]}" install "megatron-core==$MEGATRON_CORE_VERSION"
@@ -39,5 +47,5 @@ case "$MEGATRON_CORE_VERSION" in
 esac
 
 echo "[setup] installing mindspeed-flow[$EXTRAS] (editable)"
-"${PIP[@]}" install -e "$ROOT[$EXTRAS]"
+"${PIP[@]}" install -e "$ROOT[$EXTRAS]" 2> >(quiet_megatron_resolver)
 echo "[setup] ready: $VENV"
