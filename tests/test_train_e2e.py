@@ -150,3 +150,37 @@ def test_under_torchrun_each_process_is_one_rank_and_rank_zero_reports(tmp_path)
     assert sum(row["count"] for row in noise if "Apex is not installed" in row["message"]) > 1  # from several ranks
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["demo_data"]  # no stray private copies
 
+
+def test_ctrl_c_stops_every_rank_and_leaves_no_pool_behind(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the whole process group) during the flowtrain
+    phase: exit 130 with one line, no rank left running, no shm pool left in /dev/shm."""
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(_command() + ["train", str(CONFIG), "--report", str(tmp_path / "report")], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        os.set_blocking(proc.stdout.fileno(), False)
+        output, deadline = b"", time.monotonic() + 300
+        while b"flowtrain:  25%" not in output and proc.poll() is None and time.monotonic() < deadline:
+            output += proc.stdout.read() or b""
+            time.sleep(0.1)
+        assert b"flowtrain:  25%" in output, output.decode(errors="replace")[-3000:]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [p for p in children if any("spawn_main" in part for part in p.cmdline())]
+        pools = [path for p in ranks for path in Path("/dev/shm").glob(f"*train{p.pid}x*")]
+        assert pools, "the flowtrain phase runs, so its shm pool is in /dev/shm"
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130
+        output += proc.stdout.read() or b""
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert b"interrupted; every rank was stopped" in output
+    assert len(ranks) == 4
+    assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [path for path in pools if path.exists()], "the interrupted job's pool is still in /dev/shm"
+

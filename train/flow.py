@@ -280,9 +280,16 @@ def pool_name(rank: int) -> str:
     counter, broadcast (collective)."""
     import torch.distributed as dist
 
-    token = [f"train{os.getpid()}x{next(_instances)}" if rank == 0 else None]
+    token = [f"{pool_prefix(os.getpid())}{next(_instances)}" if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
     return str(token[0])
+
+
+def pool_prefix(rank0_pid: int) -> str:
+    """What every pool name of a job whose rank 0 has this pid starts with: the launcher
+    removes what such pools left in /dev/shm once every rank has stopped (a rank killed or
+    interrupted never reaches ``close()``)."""
+    return f"train{rank0_pid}x"
 
 
 def pool_bytes(cfg: "TrainConfig") -> int:

@@ -238,6 +238,16 @@ def compare_resume(results: list[RankResult], cfg: "TrainConfig"):
     return result, same_samples
 
 
+def remove_leftover_pools(pids: list[int]) -> None:
+    """The shm pools of the flowtrain phases are named after rank 0's pid; a rank stopped
+    before its trainer's ``close()`` leaves their segments in /dev/shm."""
+    from mindspeed_flow.pool.shm import destroy
+    from mindspeed_flow.train.flow import pool_prefix
+
+    if pids:
+        destroy(pool_prefix(pids[0]))
+
+
 def main(args: argparse.Namespace) -> int:
     """``mindspeed-flow train``: see the module docstring."""
     from mindspeed_flow.train.config import ConfigError, as_dict, check_resume, load_config
@@ -261,11 +271,16 @@ def main(args: argparse.Namespace) -> int:
     progress = Progress()
     started, launched_at = time.perf_counter(), time.time()
     try:
-        launched = run_world(rank_main, cfg.layout.world_size, cfg, phases, on_event=progress)
+        launched = run_world(rank_main, cfg.layout.world_size, cfg, phases, on_event=progress,
+                             after_stop=remove_leftover_pools)
     except RankFailed as exc:
         progress.close()
         print(f"mindspeed-flow train: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        progress.close()
+        print("mindspeed-flow train: interrupted; every rank was stopped", file=sys.stderr)
+        return 130
     finally:
         progress.close()
     if launched is None:  # a torchrun rank other than 0: rank 0 reports

@@ -30,6 +30,7 @@ import torch
 from mindspeed_flow.train.warnings_log import Noise, capture
 
 LOOPBACK = "127.0.0.1"
+EXIT_GRACE_S = 2.0
 STOP_GRACE_S = 5.0
 
 
@@ -69,15 +70,18 @@ def make_env(rank: int, world_size: int, local_rank: int, local_ranks: int) -> D
 
 
 def run_world(worker: Worker, world_size: int, *args: Any, on_event: Optional[Event] = None,
-              timeout_s: float = 1800.0, megatron: bool = True) -> Optional[tuple[list[Any], Noise]]:
+              timeout_s: float = 1800.0, megatron: bool = True,
+              after_stop: Optional[Callable[[list[int]], None]] = None) -> Optional[tuple[list[Any], Noise]]:
     """Run ``worker(env, emit, *args)`` on every rank; ``emit(event)`` on rank 0 reaches
     ``on_event`` in the reporting process (on the other ranks it does nothing).  Returns the ranks' results (by rank) and their
     merged noise in the reporting process (the parent, or rank 0 under torchrun); None on
     the other torchrun ranks.  ``megatron=False``: a worker that never touches megatron-core
-    (no CPU shims, so megatron is not imported)."""
+    (no CPU shims, so megatron is not imported).  ``after_stop(pids)``: called in the parent
+    with the ranks' pids once every spawned rank has ended, on success, failure or
+    interrupt (to remove what killed ranks left behind)."""
     if under_torchrun():
         return _run_torchrun(worker, args, on_event, timeout_s, megatron)
-    return _run_spawned(worker, world_size, args, on_event, timeout_s, megatron)
+    return _run_spawned(worker, world_size, args, on_event, timeout_s, megatron, after_stop)
 
 
 # ---------------------------------------------------------------------- one rank
@@ -142,7 +146,8 @@ def _bootstrap(rank: int, world_size: int, port: int, timeout_s: float, worker: 
 
 
 def _run_spawned(worker: Worker, world_size: int, args: tuple, on_event: Optional[Event],
-                 timeout_s: float, megatron: bool) -> tuple[list[Any], Noise]:
+                 timeout_s: float, megatron: bool,
+                 after_stop: Optional[Callable[[list[int]], None]]) -> tuple[list[Any], Noise]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -159,6 +164,8 @@ def _run_spawned(worker: Worker, world_size: int, args: tuple, on_event: Optiona
     finally:
         _stop(procs)
         results.close()
+        if after_stop is not None:
+            after_stop([proc.pid for proc in procs if proc.pid is not None])
 
 
 def _collect(procs: list, results: Any, on_event: Optional[Event], deadline: float) -> tuple[list[Any], Noise]:
@@ -222,6 +229,9 @@ def _drain_errors(results: Any, errors: list, grace_s: float) -> None:
 
 def _stop(procs: list) -> None:
     procs = [proc for proc in procs if proc.pid is not None]  # started ones
+    end = time.monotonic() + EXIT_GRACE_S  # ranks that are ending anyway (interrupted) clean up first
+    for proc in procs:
+        proc.join(max(0.0, end - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
