@@ -73,11 +73,12 @@ def run_world(worker: Worker, world_size: int, *args: Any, on_event: Optional[Ev
               timeout_s: float = 1800.0, megatron: bool = True,
               after_stop: Optional[Callable[[list[int]], None]] = None) -> Optional[tuple[list[Any], Noise]]:
     """Run ``worker(env, emit, *args)`` on every rank; ``emit(event)`` on rank 0 reaches
-    ``on_event`` in the reporting process (on the other ranks it does nothing).  Returns the ranks' results (by rank) and their
-    merged noise in the reporting process (the parent, or rank 0 under torchrun); None on
-    the other torchrun ranks.  ``megatron=False``: a worker that never touches megatron-core
-    (no CPU shims, so megatron is not imported).  ``after_stop(pids)``: called in the parent
-    with the ranks' pids once every spawned rank has ended, on success, failure or
+    ``on_event`` in the reporting process (on the other ranks it does nothing).  Returns
+    the ranks' results (by rank) and their merged noise in the reporting process (the
+    parent, or rank 0 under torchrun); None on the other torchrun ranks.
+    ``megatron=False``: a worker that never touches megatron-core (no CPU shims, so
+    megatron is not imported).  ``after_stop(pids)``: called in the parent with the
+    ranks' pids once every spawned rank has ended, on success, failure or
     interrupt (to remove what killed ranks left behind)."""
     if under_torchrun():
         return _run_torchrun(worker, args, on_event, timeout_s, megatron)
@@ -155,8 +156,9 @@ def _run_spawned(worker: Worker, world_size: int, args: tuple, on_event: Optiona
     results = ctx.Queue()
     store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
-    procs = [ctx.Process(target=_bootstrap, args=(rank, world_size, store.port, timeout_s, worker, args, results, megatron),
-                         name=f"train-rank{rank}", daemon=True) for rank in range(world_size)]
+    procs = [ctx.Process(target=_bootstrap, name=f"train-rank{rank}", daemon=True,
+                         args=(rank, world_size, store.port, timeout_s, worker, args, results, megatron))
+             for rank in range(world_size)]
     try:
         for proc in procs:
             proc.start()
@@ -176,8 +178,6 @@ def _collect(procs: list, results: Any, on_event: Optional[Event], deadline: flo
         try:
             kind, rank, payload, extra = results.get(timeout=0.2)
         except queue.Empty:
-            if errors:
-                break  # a rank failed; the others are stuck in a collective or failing too
             dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in done and not p.is_alive()]
             if dead:
                 time.sleep(0.5)  # its message may still be in flight
@@ -198,7 +198,7 @@ def _collect(procs: list, results: Any, on_event: Optional[Event], deadline: flo
             noise.merge(Noise.from_json(extra))
         else:
             errors.append((extra, rank, payload))
-            _drain_errors(results, errors, grace_s=1.0)
+            _drain_errors(results, errors, grace_s=1.0)  # the others are failing too, or stuck in a collective
             break
     if errors:
         errors.sort()
