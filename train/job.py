@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from mindspeed_flow.train.config import TrainConfig
     from mindspeed_flow.train.feed import StepFeed
     from mindspeed_flow.train.launch import DistEnv
+    from mindspeed_flow.train.metrics import ParityResult, ResumeResult, RunRecord
 
 RUNS = ("baseline", "flowtrain")
 RESUME_RUN = "flowtrain"
@@ -175,15 +176,13 @@ class Progress:
     def __init__(self, stream: Any = None) -> None:
         self.stream = stream or sys.stderr
         self.bar = None
-        self.phase = None
 
     def __call__(self, event: dict) -> None:
         from tqdm import tqdm
 
         if "total" in event:
             self.close()
-            self.phase = event["phase"]
-            self.bar = tqdm(total=event["total"], initial=event["start"], desc=f"{self.phase:>18}", unit="step",
+            self.bar = tqdm(total=event["total"], initial=event["start"], desc=f"{event['phase']:>18}", unit="step",
                             file=self.stream, dynamic_ncols=True, leave=True)
         elif self.bar is not None:
             rate = event["samples"] / event["step_s"] if event["step_s"] > 0 else 0.0
@@ -196,7 +195,7 @@ class Progress:
             self.bar = None
 
 
-def run_record(name: str, ranks: list[RankRun], world_size: int):
+def run_record(name: str, ranks: list[RankRun], world_size: int) -> "RunRecord":
     """The report's record of one run from every rank's part: rank 0's steps, one record
     per rank, and every rank's intervals of the last (measured) step as the timeline."""
     from mindspeed_flow.train.metrics import RunRecord
@@ -208,7 +207,7 @@ def run_record(name: str, ranks: list[RankRun], world_size: int):
                      ranks=[r.rank_record for r in ranks], timeline=timeline, device=first.info["device"])
 
 
-def compare_parity(results: list[RankResult]):
+def compare_parity(results: list[RankResult]) -> "ParityResult":
     from mindspeed_flow.train.metrics import ParityResult
 
     base, flow = results[0].runs["parity-baseline"], results[0].runs["parity-flowtrain"]
@@ -216,7 +215,7 @@ def compare_parity(results: list[RankResult]):
                                 [s.loss for s in flow.steps])
 
 
-def compare_resume(results: list[RankResult], cfg: "TrainConfig"):
+def compare_resume(results: list[RankResult], cfg: "TrainConfig") -> tuple["ResumeResult", bool]:
     """Resumed curve = the uninterrupted run's losses up to the stop, then the resumed run's;
     a repeated sample is one fed more often (before the stop and after the resume together)
     than the uninterrupted run fed it; samples fed in another order or skipped fail too."""
