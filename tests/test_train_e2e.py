@@ -189,6 +189,9 @@ def test_ctrl_c_stops_every_rank_and_leaves_no_pool_behind(tmp_path):
             proc.wait()
     assert b"interrupted; every rank was stopped" in output
     assert len(ranks) == 4
-    assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # the rest (multiprocessing's resource tracker) ends by itself once the parent is gone
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"still running after the job: {[p.cmdline() for p in alive]}"
     assert not [path for path in pools if path.exists()], "the interrupted job's pool is still in /dev/shm"
 
