@@ -263,14 +263,17 @@ def _run_torchrun(worker: Worker, args: tuple, on_event: Optional[Event],
         if rank == 0 and on_event is not None:
             on_event(event)
 
-    # rank 0 keeps the terminal for the progress bars; the others' output is counted
-    with capture(redirect_fds=rank != 0) as captured:
-        close = _rank_session(env, init, timeout_s, megatron)
-        try:
+    # rank 0 keeps the terminal for the progress bars; the others' output is counted (its
+    # lines are read when the capture ends, so the results are gathered after it)
+    close = None
+    try:
+        with capture(redirect_fds=rank != 0) as captured:
+            close = _rank_session(env, init, timeout_s, megatron)
             result = worker(env, emit, *args)
-            gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, (result, captured.noise.to_json()))
-        finally:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, (result, captured.noise.to_json()))
+    finally:
+        if close is not None:
             close()
     if rank != 0:
         return None
