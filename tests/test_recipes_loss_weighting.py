@@ -1,7 +1,7 @@
 """Dynamic loss weighting on loader-shaped packed batches: per-task sums from ``sample_ids``
 and ``cu_seqlens``, the inverse-moving-average rule, equal weights = the plain mean, the
 resumable state, the training-loop API (:class:`LossWeighting`) and the flags.  The patch on
-MindSpeed-MM's real ``VLMModel`` is tested in ``tests/upstream/test_recipes_loss_weighting.py``."""
+MindSpeed-MM's real ``VLMModel`` is tested in ``tests/upstream/test_upstream_loss_weighting.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """MindSpeed-MM's real ``VLMModel`` (Qwen2.5-VL, tiny, CPU) under ``--flow-loss-weighting``:
 one packed batch of a caption and a text sample, forwarded three times.
 
-Run by ``test_recipes_loss_weighting.py`` through :func:`harness.run_upstream` (``driver=``
+Run by ``test_upstream_loss_weighting.py`` through :func:`harness.run_upstream` (``driver=``
 this file), built on ``driver.py``'s initialisation, model and batches.  It records:
 
 * ``plain``: the per-token losses in eval mode (the patch leaves evaluation alone, so this is
