@@ -18,6 +18,11 @@ averages, all-reduced over the data-parallel group, so the weights change from o
 microbatch to the next and every DP rank holds the same ones.  Rank 0 of each DP group logs
 the weights once per iteration.  Only in training (``model.training``); evaluation keeps
 upstream's loss.  Nothing upstream is imported at module level.
+
+The weighting's state goes into Megatron's checkpoint through
+:mod:`~mindspeed_flow.adapters.megatron_checkpoint_extra`, which reads it with
+:func:`saved_state` and gives a loaded one back with :func:`restore_state` (kept pending
+until the first weighted microbatch makes the weighting).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ CU_SEQLENS_KEY = "cu_seqlens"
 _BATCH: contextvars.ContextVar[Optional[tuple[list[str], Optional[torch.Tensor]]]] = contextvars.ContextVar(
     "flow_loss_weighting_batch", default=None)
 _weighting: Optional[LossWeighting] = None
+_pending_state: Optional[dict[str, Any]] = None  # restored from a checkpoint before the weighting exists
 _logged_iteration: Optional[int] = None
 
 
@@ -58,13 +64,50 @@ def current_weighting() -> Optional[LossWeighting]:
 
         group = mpu.get_data_parallel_group() if dist.is_initialized() else None
         _weighting = LossWeighting(config.tasks, config.beta, group)
+        if _pending_state is not None:
+            _load_into(_weighting, _pending_state, config.beta)
     return _weighting
+
+
+def saved_state() -> Optional[dict[str, Any]]:
+    """What a checkpoint saves: the weighting's state (or the one restored and not used
+    yet); ``None`` where this rank holds none (no weighting, or not the last stage)."""
+    if recipes.current_loss_weighting() is None:
+        return None
+    return _weighting.state_dict() if _weighting is not None else _pending_state
+
+
+def restore_state(state: dict[str, Any]) -> None:
+    """Continue from a checkpoint's state: now if the weighting exists, else when it is made.
+    Other tasks than the run's are refused (by :meth:`LossWeighting.load_state_dict`)."""
+    global _pending_state
+    config = recipes.current_loss_weighting()
+    if config is None:
+        return
+    if list(state["tasks"]) != list(config.tasks):
+        raise ValueError(f"--flow-loss-weighting: the checkpoint's loss-weighting state is for tasks "
+                         f"{list(state['tasks'])}, this run has {list(config.tasks)}")
+    _pending_state = dict(state)
+    if _weighting is not None:
+        _load_into(_weighting, _pending_state, config.beta)
+
+
+def _load_into(weighting: LossWeighting, state: dict[str, Any], beta: float) -> None:
+    """Load ``state``; the flag's momentum wins over the saved one (a changed flag is logged)."""
+    global _pending_state
+    weighting.load_state_dict(state)
+    if weighting.rule.beta != beta:
+        log.warning("--flow-loss-weighting-beta %s differs from the checkpoint's %s; using %s",
+                    beta, weighting.rule.beta, beta)
+        weighting.rule.beta = beta
+    _pending_state = None
+    log.info("mindspeed-flow loss weights restored from the checkpoint: %s", weighting.describe())
 
 
 def reset() -> None:
     """Forget the weights (tests; a new job in the same process)."""
-    global _weighting, _logged_iteration
-    _weighting, _logged_iteration = None, None
+    global _weighting, _pending_state, _logged_iteration
+    _weighting, _pending_state, _logged_iteration = None, None, None
 
 
 def vlm_forward(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -82,6 +125,7 @@ def vlm_forward(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs:
         raise ValueError("--flow-loss-weighting weights tokens; it cannot be combined with --calculate-per-sample-loss")
     if mpu.get_context_parallel_world_size() > 1:
         raise NotImplementedError("--flow-loss-weighting does not support context parallelism in this version")
+    _check_checkpoint_format(get_args(), mpu.get_pipeline_model_parallel_world_size())
     cu_seqlens = kwargs.get(CU_SEQLENS_KEY)
     packed = _argument(args, kwargs, VLM_FORWARD_PARAMS, "packed_seq_params")
     if cu_seqlens is None and packed is not None:
@@ -91,6 +135,15 @@ def vlm_forward(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs:
         return wrapped(*args, **kwargs)
     finally:
         _BATCH.reset(token)
+
+
+def _check_checkpoint_format(margs: Any, pipeline_size: int) -> None:
+    """Only the last pipeline stage holds the weighting; a distributed checkpoint keeps its
+    common (non-tensor) entries from global rank 0, which is on the first stage when PP > 1."""
+    if getattr(margs, "save", None) and pipeline_size > 1 and getattr(margs, "ckpt_format", "torch") != "torch":
+        raise NotImplementedError(
+            f"--flow-loss-weighting with pipeline parallelism ({pipeline_size} stages) saves its state only in "
+            f"--ckpt-format torch checkpoints (each stage's own file), not in {margs.ckpt_format!r}")
 
 
 def _weighted_loss(token_losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Feature ``recipes`` (``--flow-recipes``, implied by any recipe value): per-module
 learning rates on Megatron's optimizer param groups and LR scheduler, per-module gradient
 clipping after the optimizer's gradient preparation, dynamic per-task loss weights on
-MindSpeed-MM's ``VLMModel`` loss."""
+MindSpeed-MM's ``VLMModel`` loss (their state saved in and restored from Megatron's
+checkpoint)."""
 
+from mindspeed_flow.adapters import megatron_checkpoint_extra as checkpoint_extra
 from mindspeed_flow.adapters import megatron_core_recipes as recipes
 from mindspeed_flow.adapters import mindspeed_mm_loss
 from mindspeed_flow.patching import Patch
@@ -10,6 +12,7 @@ from mindspeed_flow.patching import Patch
 FEATURE = "recipes"
 CHECKED = ("megatron-core 0.12.3", "megatron-core 0.16.1")
 MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
+MEGATRON_LM = ("Megatron-LM core_r0.12.1",)
 
 PATCHES = [
     Patch(
@@ -68,5 +71,21 @@ PATCHES = [
         params="self, logits, labels",
         checked=MINDSPEED_MM,
         description="weight each token's loss by its sample's task weight (TP > 1)",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.checkpointing:generate_state_dict",
+        wrapper=checkpoint_extra.generate_state_dict_wrapper,
+        params="args, model, optimizer, opt_param_scheduler, rng_state",
+        checked=MEGATRON_LM,
+        description="save the loss-weighting state with the checkpoint (--flow-loss-weighting)",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.checkpointing:_load_base_checkpoint",
+        wrapper=checkpoint_extra.load_base_checkpoint_wrapper,
+        params="load_dir, args, rank0, sharded_state_dict, checkpointing_context",
+        checked=MEGATRON_LM,
+        description="restore the loss-weighting state from the checkpoint (--flow-loss-weighting)",
     ),
 ]

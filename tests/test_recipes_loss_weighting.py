@@ -151,3 +151,84 @@ def test_flags_name_bad_values_and_unmatched_samples():
     only_caption = loss_weighting_settings(["*caption*=caption"], None).task_of()
     with pytest.raises(ValueError, match="sample 'd/text-0.jsonl:7': its file 'd/text-0.jsonl' matches no"):
         only_caption("d/text-0.jsonl:7")
+
+
+def steps():
+    """Four microbatches of a caption and a text sample with changing losses."""
+    return [(torch.tensor([2.0 + i, 4.0 - i]), torch.tensor([3, 5])) for i in range(4)]
+
+
+def test_checkpoint_round_trip_continues_the_uninterrupted_weighting(tmp_path):
+    uninterrupted = LossWeighting(("caption", "text"), beta=0.7)
+    expected = [uninterrupted.weigh(loss, ["caption", "text"], tokens) for loss, tokens in steps()]
+    first = LossWeighting(("caption", "text"), beta=0.7)
+    for loss, tokens in steps()[:2]:
+        first.weigh(loss, ["caption", "text"], tokens)
+    torch.save({"flow_loss_weighting": first.state_dict()}, tmp_path / "model_optim_rng.pt")
+    resumed = LossWeighting(("caption", "text"), beta=0.7)
+    resumed.load_state_dict(torch.load(tmp_path / "model_optim_rng.pt", weights_only=True)["flow_loss_weighting"])
+    assert resumed.weights() == first.weights() and resumed.weights() != {"caption": 1.0, "text": 1.0}
+    for (loss, tokens), (want_loss, want_used) in zip(steps()[2:], expected[2:]):
+        got_loss, got_used = resumed.weigh(loss, ["caption", "text"], tokens)
+        assert got_used == want_used and float(got_loss) == float(want_loss)
+
+
+@pytest.fixture
+def patch_state():
+    from mindspeed_flow.adapters import megatron_core_recipes, mindspeed_mm_loss
+
+    megatron_core_recipes.configure(argparse.Namespace(flow_loss_weighting=["*caption*=caption", "*text*=text"],
+                                                       flow_loss_weighting_beta=0.5))
+    mindspeed_mm_loss.reset()
+    yield mindspeed_mm_loss
+    mindspeed_mm_loss.reset()
+    megatron_core_recipes.reset()
+
+
+def test_checkpoint_patch_saves_and_restores_the_patch_weighting(patch_state):
+    """The two checkpoint wrappers around stand-ins for Megatron's ``generate_state_dict`` and
+    ``_load_base_checkpoint`` (``megatron.training`` is not installed in this venv; the real
+    ones run in ``tests/upstream/test_upstream_loss_weighting.py``)."""
+    from mindspeed_flow.adapters import megatron_checkpoint_extra as extra
+
+    def generate_state_dict(*args, **kwargs):  # stand-in for Megatron's
+        return {"iteration": 1}
+
+    assert extra.generate_state_dict_wrapper(generate_state_dict, None, (), {}) == {"iteration": 1}  # no weighting yet
+    weighting = patch_state.current_weighting()
+    weighting.weigh(torch.tensor([3.0, 1.0]), ["caption", "text"])
+    saved = extra.generate_state_dict_wrapper(generate_state_dict, None, (), {})
+    assert saved["flow_loss_weighting"] == weighting.state_dict()
+    after_save = weighting.weights()
+
+    def load(state):  # stand-in for Megatron's _load_base_checkpoint
+        return lambda *args, **kwargs: (state, "ckpt/iter_0000001", False, None)
+
+    resume_args = argparse.Namespace(finetune=False)
+    patch_state.reset()
+    # the rank0 peek at the metadata and --finetune leave the weighting alone
+    extra.load_base_checkpoint_wrapper(load(saved), None, ("ckpt", resume_args), {"rank0": True})
+    extra.load_base_checkpoint_wrapper(load(saved), None, ("ckpt", argparse.Namespace(finetune=True)), {})
+    assert patch_state.current_weighting().weights() == {"caption": 1.0, "text": 1.0}
+    patch_state.reset()
+    result = extra.load_base_checkpoint_wrapper(load(saved), None, ("ckpt", resume_args), {})
+    assert result[0] is saved
+    assert patch_state.saved_state() == saved["flow_loss_weighting"]  # pending until the weighting is made
+    assert patch_state.current_weighting().weights() == after_save
+    # restoring into an existing weighting, and a checkpoint of other tasks
+    patch_state.current_weighting().weigh(torch.tensor([1.0]), ["text"])
+    extra.load_base_checkpoint_wrapper(load(saved), None, ("ckpt", resume_args), {})
+    assert patch_state.current_weighting().weights() == after_save
+    other = {**saved, "flow_loss_weighting": {**saved["flow_loss_weighting"], "tasks": ["text"]}}
+    with pytest.raises(ValueError, match="checkpoint's loss-weighting state is for tasks \\['text'\\], this run has"):
+        extra.load_base_checkpoint_wrapper(load(other), None, ("ckpt", resume_args), {})
+
+
+def test_checkpoint_format_with_pipeline_stages_is_refused_by_name():
+    from mindspeed_flow.adapters.mindspeed_mm_loss import _check_checkpoint_format
+
+    _check_checkpoint_format(argparse.Namespace(save="ckpt", ckpt_format="torch"), 2)
+    _check_checkpoint_format(argparse.Namespace(save="ckpt", ckpt_format="torch_dist"), 1)
+    _check_checkpoint_format(argparse.Namespace(save=None, ckpt_format="torch_dist"), 2)
+    with pytest.raises(NotImplementedError, match="2 stages\\) saves its state only in --ckpt-format torch"):
+        _check_checkpoint_format(argparse.Namespace(save="ckpt", ckpt_format="torch_dist"), 2)
