@@ -202,8 +202,7 @@ def even_split(layers: int, stages: int) -> list[int]:
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start measuring the peak afresh: the CUDA allocator's peak statistics, or on Linux the
-    process's resident-set high-water mark (``/proc/self/clear_refs``, which ``ru_maxrss``
-    follows); where neither can be reset the peak covers the whole process."""
+    process's resident-set high-water mark (``/proc/self/clear_refs`` resets ``VmHWM``); where neither can be reset the peak covers the whole process."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
@@ -216,10 +215,18 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory of this rank since :func:`reset_peak_memory`: the CUDA allocator's peak on
-    a GPU, else the process's peak resident set (``ru_maxrss``, kilobytes on Linux, bytes on
-    macOS)."""
+    a GPU, else the process's peak resident set: Linux's ``VmHWM`` (the mark ``clear_refs``
+    resets; ``ru_maxrss`` is not enough, it also keeps the peak of any thread that exited
+    since, gloo's and the loader's included), elsewhere ``ru_maxrss`` (bytes on macOS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
