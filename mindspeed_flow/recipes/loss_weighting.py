@@ -23,6 +23,9 @@ the same weights.
     weighting = LossWeighting(tasks=("caption", "text"), beta=0.9, group=dp_group)
     loss, weights = weighting.weigh(per_sample_loss, tasks, tokens)   # weights used, then updated
     log.info("loss weights: %s", weighting.describe())
+
+``state_dict`` / ``load_state_dict`` carry the tasks, the momentum and the averages; the
+``recipes`` patch saves them in Megatron's checkpoint and restores them on load.
 """
 
 from __future__ import annotations
