@@ -31,6 +31,7 @@ encoder over its own (same TP rank, every encoder replica) - :meth:`average_grad
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from ..schedule import Decoupled, OneFOneB, Region, compose
@@ -244,13 +245,51 @@ class DecoupledLayout:
         losses by its own microbatch count and summed over its encoder replicas, so the
         backbone averages over its ``backbone_dp`` replicas and the encoder over its
         ``encoder_dp * backbone_dp`` replicas (each slice's sum counted once per replica),
-        each over peers of the same TP rank (they hold the same shard)."""
+        each over peers of the same TP rank (they hold the same shard), in one all-reduce
+        per gradient dtype (:func:`average_coalesced`)."""
         import torch.distributed as dist
 
         region = self.role(dist.get_rank()).region
         group, count = ((groups["vit_dp"], self.encoder_dp * self.backbone_dp) if region == ENCODER
                         else (groups["llm_dp"], self.backbone_dp))
-        for p in module.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-                p.grad /= count
+        average_coalesced(module.named_parameters(), group, count)
+
+
+def average_coalesced(named_parameters: Iterable[tuple[str, Any]], group: Any, count: int) -> None:
+    """Sum the gradients of ``named_parameters`` over ``group`` and divide them by ``count``,
+    in one flat all-reduce per parameter dtype instead of one per parameter (each of which
+    would pay the collective's latency on the step's critical path).
+
+    The flat buffer holds every parameter that requires a gradient, in order (a missing
+    gradient as zeros), so the peers' buffers line up whenever they hold the same
+    parameters (same-TP-rank peers hold the same shards), followed by two flags per
+    parameter: "has a gradient" and "has none".  Their sums say, exactly in any float dtype
+    (a sum of ones is never zero), whether every peer, none or only some had a gradient:
+    every peer - the average is written back; none - the gradient stays ``None``; only some
+    - ``ValueError`` naming the parameter, on every peer alike, before any gradient changes
+    (the peers' gradients would otherwise diverge)."""
+    import torch
+    import torch.distributed as dist
+
+    buckets: dict[Any, list[tuple[str, Any]]] = {}
+    for name, param in named_parameters:
+        if param.requires_grad:
+            buckets.setdefault(param.dtype, []).append((name, param))
+    reduced = []
+    for dtype, params in buckets.items():
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in params]
+        flags = torch.tensor([[p.grad is not None, p.grad is None] for _, p in params], dtype=dtype,
+                             device=grads[0].device)
+        flat = torch.cat([*grads, flags.reshape(-1)])
+        dist.all_reduce(flat, group=group)
+        numel = sum(g.numel() for g in grads)
+        has, lacks = flat[numel:].view(-1, 2).unbind(1)
+        mixed = [name for (name, _), h, n in zip(params, has.tolist(), lacks.tolist()) if h and n]
+        if mixed:
+            raise ValueError(f"average_grads: parameters {mixed} have a gradient on some ranks of the group and "
+                             f"none on others; every peer must compute gradients for the same parameters")
+        reduced.append((params, flat[:numel].div_(count), has))
+    for params, values, has in reduced:
+        for (_, param), value, present in zip(params, values.split([p.numel() for _, p in params]), has.tolist()):
+            if present:
+                param.grad.copy_(value.view_as(param.grad))
