@@ -57,6 +57,8 @@ class BaselineTrainer(Trainer):
         self.modules = {"stage": self.model}
         self.role = f"pp{self.stage} dp{self.replica}" + (" (ViT + LLM)" if vit is not None else " (LLM)")
         self.layout = f"PP={pp} x DP={self.replicas}, ViT in stage 0, LLM layers {layers}"
+        if pp == 1:  # megatron-core runs forward_backward_no_pipelining then: say so, not 1F1B
+            self.features = ("no pipeline (megatron-core)",) + self.features[1:]
         self.stamps = MegatronStamps(env.rank, env.device)
         self.stamps.install()
         if vit is not None:
