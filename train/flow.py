@@ -160,6 +160,8 @@ def unrealisable(plan: Any, world_size: int) -> str:
 
 
 def describe_plan(plan: Any) -> str:
+    """One line per allocator plan for the report's plan text: its shape and what the
+    allocator predicted, so a reader sees why it was (or was not) the run's layout."""
     e, b, p = plan.encoder, plan.backbone, plan.predicted
     return (f"{plan.placement}: encoder dp={e.dp} tp={e.tp}; backbone pp={b.pp} dp={b.dp} tp={b.tp} "
             f"layers {list(b.layer_split)}; predicted {p.throughput:.3g} samples/s, bubble {p.bubble_fraction:.0%}")

@@ -208,6 +208,8 @@ def run_record(name: str, ranks: list[RankRun], world_size: int) -> "RunRecord":
 
 
 def compare_parity(results: list[RankResult]) -> "ParityResult":
+    """Rank 0's parity losses of both runs, step by step (every rank reports the same,
+    all-reduced, step loss, so rank 0's are the runs')."""
     from mindspeed_flow.train.metrics import ParityResult
 
     base, flow = results[0].runs["parity-baseline"], results[0].runs["parity-flowtrain"]

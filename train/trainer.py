@@ -161,6 +161,8 @@ class Trainer:
 
 
 def fill_missing_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """A zero gradient for every parameter the step did not reach, so that the gradient
+    reduction sees the same tensors on every replica and AdamW steps every parameter alike."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -232,6 +234,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every generator a step may draw from (torch, Python, numpy, CUDA), so that a resumed
+    run draws what the uninterrupted one would have."""
     import numpy as np
 
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
@@ -241,6 +245,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what :func:`rng_state` saved."""
     import numpy as np
 
     torch.set_rng_state(state["torch"].cpu())  # a checkpoint loaded with map_location=cuda moved it
