@@ -144,16 +144,16 @@ class MemFabricPool(Pool):
         if rc != 0:
             raise self._refusal(f"{what} failed with code {rc}")
 
-    def base(self, owner: str, key: str) -> int:
+    def base(self, owner: str, key: str, op: str) -> int:
         """The global address of ``owner``'s contribution (its rank comes from the index)."""
         if owner not in self.bases:
             raw = self.index.get(f"bm_rank/{owner}")
             if raw is None:
-                raise PoolError(f"pool get [{key}]: producer {owner} has no MemFabric rank in the index "
+                raise PoolError(f"pool {op} [{key}]: producer {owner} has no MemFabric rank in the index "
                                 "(it closed, or is not on this pool)")
             address = self.bm.peer_rank_ptr(peer_rank=int(raw))
             if not address:
-                raise PoolError(f"pool get [{key}]: MemFabric has no address for producer {owner} (rank "
+                raise PoolError(f"pool {op} [{key}]: MemFabric has no address for producer {owner} (rank "
                                 f"{int(raw)}): {self.mf.get_last_err_msg() or 'no message'}")
             self.bases[owner] = address
         return self.bases[owner]
@@ -169,12 +169,12 @@ class MemFabricPool(Pool):
 
     def write(self, handle: Handle, payload: torch.Tensor) -> None:
         """Host to this rank's HBM contribution."""
-        self._copy(payload.data_ptr(), self.base(self.owner, handle.key) + handle.offset, handle, "H2G", "put")
+        self._copy(payload.data_ptr(), self.base(self.owner, handle.key, "put") + handle.offset, handle, "H2G", "put")
 
     def read(self, handle: Handle) -> torch.Tensor:
         """The owner's HBM contribution to a host tensor this process owns."""
         out = torch.empty(handle.nbytes, dtype=torch.uint8)
-        self._copy(self.base(handle.owner, handle.key) + handle.offset, out.data_ptr(), handle, "G2H", "get")
+        self._copy(self.base(handle.owner, handle.key, "get") + handle.offset, out.data_ptr(), handle, "G2H", "get")
         return out
 
     def close(self) -> None:
