@@ -276,6 +276,9 @@ def test_reading_from_a_producer_that_left_names_it(fabric):
 
 
 def test_missing_options_are_named(fabric, monkeypatch):
+    monkeypatch.delenv("MINDSPEED_FLOW_MEMFABRIC_STORE_URL", raising=False)
+    with pytest.raises(ValueError, match=r"pass store_url= .* or export MINDSPEED_FLOW_MEMFABRIC_STORE_URL"):
+        open_pool("memfabric", capacity_bytes=1024, rank=0, world_size=1, device_id=0, store=fabric.store)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     with pytest.raises(ValueError, match=r"pass device_id= \(it defaults to \$LOCAL_RANK, which is not set\)"):
         open_pool("memfabric", capacity_bytes=1024, store_url=STORE_URL, rank=0, world_size=1, store=fabric.store)

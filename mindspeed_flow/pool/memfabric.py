@@ -78,9 +78,14 @@ def _from_job(option: str, value: int | None, job_value: Any, source: str) -> in
     return int(job_value)
 
 
+STORE_URL_ENV = "MINDSPEED_FLOW_MEMFABRIC_STORE_URL"
+
+
 class MemFabricPool(Pool):
     """Args (besides :class:`~.base.Pool`'s): ``store_url`` (MemFabric's config store,
-    ``tcp://ip:port``, the same on every rank, as in its examples), ``rank`` /
+    ``tcp://ip:port``, the same on every rank, as in its examples; default
+    ``$MINDSPEED_FLOW_MEMFABRIC_STORE_URL``, which is how a job selected by
+    ``--flow-pool-backend memfabric`` gets it), ``rank`` /
     ``world_size`` (default: the ``torch.distributed`` job's), ``device_id`` (this rank's
     NPU, default ``LOCAL_RANK``),
     ``name`` (the store prefix), ``owner`` (default ``rank<rank>``), ``store`` (the
@@ -89,12 +94,16 @@ class MemFabricPool(Pool):
 
     backend = "memfabric"
 
-    def __init__(self, capacity_bytes: int, *, store_url: str, rank: int | None = None,
+    def __init__(self, capacity_bytes: int, *, store_url: str | None = None, rank: int | None = None,
                  world_size: int | None = None, device_id: int | None = None, name: str = "pool",
                  owner: str | None = None, store: Any = None, bm_id: int = 0, **options) -> None:
         import torch.distributed as dist
 
         mf = import_memfabric()
+        store_url = store_url or os.environ.get(STORE_URL_ENV)
+        if not store_url:
+            raise ValueError(f"pool backend 'memfabric': pass store_url= (MemFabric's config store, tcp://ip:port, "
+                             f"the same on every rank) or export {STORE_URL_ENV}")
         job = dist.is_available() and dist.is_initialized()
         self.rank = _from_job("rank", rank, dist.get_rank() if job else None, "the torch.distributed rank")
         world_size = _from_job("world_size", world_size, dist.get_world_size() if job else None,
