@@ -8,6 +8,7 @@ generation or the MILP.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -154,7 +155,7 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workl
                 and workload.global_batch % (dp * workload.encoder_micro_batch) == 0:
             est = proxy.encoder(model.encoder, workload, tp, dp)
             if est.memory.total <= limit:
-                encoders.append((est.rate, tp * dp))
+                encoders.append((est.rate, tp * dp, dp))
     backbones = []
     for tp, pp, mbs, dp in itertools.product(workload.tp_choices, workload.pp_choices,
                                              workload.micro_batch_choices, range(1, cluster.devices + 1)):
@@ -162,11 +163,19 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workl
                 and workload.global_batch % (dp * mbs) == 0:
             est = proxy.backbone(model.backbone, workload, tp, pp, mbs, dp)
             if est.memory.total <= limit:
-                backbones.append((est.rate, tp * pp * dp))
-    pairs = [(min(p, c), abs(p - c), de + db) for (p, de), (c, db) in itertools.product(encoders, backbones)
-             if de + db <= cluster.devices]
+                backbones.append((est.rate, tp * pp * dp, tp * pp, dp))
+
+    def megatron_world(de, edp, block, bdp):  # the encoder fills whole blocks, its replicas split evenly
+        return not workload.megatron_blocks or (de % block == 0 and edp % bdp == 0)
+
+    def budget_ok(devices):
+        return devices == cluster.devices if workload.exact_devices else devices <= cluster.devices
+
+    pairs = [(min(p, c), abs(p - c), de + db) for (p, de, edp), (c, db, block, bdp)
+             in itertools.product(encoders, backbones) if budget_ok(de + db) and megatron_world(de, edp, block, bdp)]
     if "colocated" in workload.placements:
-        pairs += [(rate, 0.0, devices) for rate, devices in colocated_rates(model, cluster, proxy, workload)]
+        pairs += [(rate, 0.0, devices) for rate, devices in colocated_rates(model, cluster, proxy, workload)
+                  if budget_ok(devices)]
     if not pairs:
         return None
     best_t = max(t for t, _, _ in pairs)
@@ -176,15 +185,25 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workl
     return best_t, best_m, min(d for _, _, d in pairs)
 
 
-def test_solve_matches_brute_force_on_random_instances():
+@pytest.mark.parametrize("runtime", [{}, {"megatron_blocks": True, "exact_devices": True},
+                                     {"megatron_blocks": True}, {"exact_devices": True}],
+                         ids=["free", "megatron-world", "megatron-blocks", "exact-devices"])
+def test_solve_matches_brute_force_on_random_instances(runtime):
+    """The default problem (300 instances), and with the runtime requirements a fixed
+    Megatron world imposes (100 instances each; the same seed, so the same instances)."""
     rng = random.Random(12)
-    solved = infeasible = colocated = 0
-    for case in range(300):
+    solved = infeasible = colocated = constrained = 0
+    for case in range(100 if runtime else 300):
         model, cluster, proxy, workload = random_instance(rng)
+        free = brute_force(model, cluster, proxy, workload) if runtime else None
+        workload = dataclasses.replace(workload, **runtime)
         expected = brute_force(model, cluster, proxy, workload)
         if expected is None:
-            with pytest.raises(InfeasibleError):
+            with pytest.raises(InfeasibleError) as raised:
                 solve(model, cluster, proxy, workload)
+            if free is not None:  # only the requirements leave nothing: the diagnosis says so
+                assert "runtime requirements" in str(raised.value), f"case {case}: {raised.value}"
+                constrained += 1
             infeasible += 1
             continue
         plan = solve(model, cluster, proxy, workload)
@@ -194,9 +213,18 @@ def test_solve_matches_brute_force_on_random_instances():
         assert plan.devices == d, f"case {case}"
         assert plan.devices <= cluster.devices
         assert plan.throughput == pytest.approx(min(plan.predicted.production, plan.predicted.consumption))
+        if workload.megatron_blocks and plan.placement == "decoupled":
+            assert plan.encoder.devices % (plan.backbone.tp * plan.backbone.pp) == 0, f"case {case}"
+            assert plan.encoder.dp % plan.backbone.dp == 0, f"case {case}"
+        if workload.exact_devices:
+            assert plan.devices == cluster.devices, f"case {case}"
         solved += 1
         colocated += plan.placement == "colocated"
-    assert solved >= 150 and infeasible >= 10 and colocated >= 10  # every branch really exercised
+        constrained += free is not None and free != expected  # the requirement changed the optimum
+    if runtime:  # every branch really exercised, and the requirements do bind
+        assert solved >= 40 and infeasible >= 5 and constrained >= 10, (solved, infeasible, constrained)
+    else:
+        assert solved >= 150 and infeasible >= 10 and colocated >= 10  # every branch really exercised
 
 
 def _big_model() -> ModelSpec:

@@ -8,11 +8,14 @@ sum dp_k z_k`` and ``n_bb = sum dp_j y_j + sum dp_k z_k``, and the global throug
 ``T >= 0`` (samples/s).  Constraints::
 
     sum x_i + sum z_k = 1,  sum y_j + sum z_k = 1     one config per module
-    sum d_i x_i + sum d_j y_j + sum d_k z_k <= D      device budget
+    sum d_i x_i + sum d_j y_j + sum d_k z_k <= D      device budget (= D with exact_budget)
     T <= sum P_i x_i + sum R_k z_k                    T is at most production ...
     T <= sum C_j y_j + sum R_k z_k                    ... and consumption
 
-(TP inside a node, divisibility and memory have already removed candidates.)  Three
+(TP inside a node, divisibility and memory have already removed candidates.)  Pairs that
+cannot run together (``Workload.megatron_blocks``) are cut off by one row per group of
+backbone candidates, ``sum y_j (group) + sum x_i (encoders the group forbids) <= 1``
+(:meth:`AllocationMilp.forbid_pairs`): exact, since at most one of each is chosen.  Three
 solves, lexicographic: (1) maximise ``T``; (2) with ``T >= T* (1 - rel_tol)``, minimise the
 mismatch ``sum P_i x_i + sum C_j y_j + 2 sum R_k z_k - 2 T`` (which is ``|P - C|`` at the
 optimum, since ``T`` then equals ``min(P, C)``, and 0 for a co-located choice); (3) with
@@ -58,7 +61,7 @@ class AllocationMilp:
     def __init__(self, production: Sequence[float], enc_devices: Sequence[int], enc_replicas: Sequence[int],
                  consumption: Sequence[float], bb_devices: Sequence[int], bb_replicas: Sequence[int],
                  budget: int, joint_rate: Sequence[float] = (), joint_devices: Sequence[int] = (),
-                 joint_replicas: Sequence[int] = (), *, verbose: bool = False) -> None:
+                 joint_replicas: Sequence[int] = (), *, exact_budget: bool = False, verbose: bool = False) -> None:
         self.p = np.asarray(production, dtype=float)
         self.c = np.asarray(consumption, dtype=float)
         self.r = np.asarray(joint_rate, dtype=float)
@@ -89,7 +92,7 @@ class AllocationMilp:
                   np.concatenate([np.asarray(enc_replicas, float), jr, [-1]]))
         self._row(h, 0, 0, np.concatenate([self.y, self.z, [self.n_bb]]),
                   np.concatenate([np.asarray(bb_replicas, float), jr, [-1]]))
-        self._row(h, -inf, budget, np.concatenate([self.x, self.y, self.z]),
+        self._row(h, budget if exact_budget else -inf, budget, np.concatenate([self.x, self.y, self.z]),
                   np.concatenate([self.de, self.db, self.dj]))
         self._row(h, -inf, 0, np.concatenate([self.x, self.z, [self.t]]), np.concatenate([-self.p, -self.r, [1]]))
         self._row(h, -inf, 0, np.concatenate([self.y, self.z, [self.t]]), np.concatenate([-self.c, -self.r, [1]]))
@@ -102,6 +105,11 @@ class AllocationMilp:
     def exclude_backbone(self, backbones: Sequence[int]) -> None:
         """Cut off a set of backbone candidates (all replica counts of one shape, say)."""
         self._row(self.h, -highspy.kHighsInf, 0, self.y[np.asarray(backbones)], np.ones(len(backbones)))
+
+    def forbid_pairs(self, encoders: Sequence[int], backbones: Sequence[int]) -> None:
+        """No plan may pair any of ``backbones`` with any of ``encoders``."""
+        index = np.concatenate([self.x[np.asarray(encoders, dtype=int)], self.y[np.asarray(backbones, dtype=int)]])
+        self._row(self.h, -highspy.kHighsInf, 1, index, np.ones(len(index)))
 
     def exclude_joint(self, joints: Sequence[int]) -> None:
         """Cut off a set of co-located candidates."""

@@ -21,14 +21,35 @@ def _shape(candidate, placement: str) -> Shape:
     return placement, candidate.tp, candidate.pp, candidate.micro_batch
 
 
-def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Shape],
+def megatron_block_pairs(found: CandidateSet) -> list[tuple[list[int], list[int]]]:
+    """``(encoders, backbones)`` index groups that cannot share one Megatron world
+    (:attr:`Workload.megatron_blocks`): the encoder's devices not a multiple of the
+    backbone's ``tp x pp`` block, or its replicas not a multiple of the backbone's.  One
+    group per backbone (block, replicas), so the MILP gets one row per group."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for j, b in enumerate(found.backbones):
+        groups.setdefault((b.tp * b.pp, b.dp), []).append(j)
+    out = []
+    for (block, dp), backbones in groups.items():
+        encoders = [i for i, e in enumerate(found.encoders) if e.devices % block or e.dp % dp]
+        if encoders:
+            out.append((encoders, backbones))
+    return out
+
+
+def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Shape], workload: Workload,
                verbose: bool = False) -> AllocationMilp:
-    """The MILP over the candidates simulated so far, with the ``excluded`` shapes cut off."""
+    """The MILP over the candidates simulated so far, with the ``excluded`` shapes cut off
+    and the workload's runtime requirements (Megatron blocks, every device) imposed."""
     milp = AllocationMilp(
         [e.rate for e in found.encoders], [e.devices for e in found.encoders], [e.dp for e in found.encoders],
         [b.rate for b in found.backbones], [b.devices for b in found.backbones], [b.dp for b in found.backbones],
-        budget, [j.rate for j in joints], [j.devices for j in joints], [j.dp for j in joints], verbose=verbose,
+        budget, [j.rate for j in joints], [j.devices for j in joints], [j.dp for j in joints],
+        exact_budget=workload.exact_devices, verbose=verbose,
     )
+    if workload.megatron_blocks:
+        for encoders, backbones in megatron_block_pairs(found):
+            milp.forbid_pairs(encoders, backbones)
     banned = [i for i, b in enumerate(found.backbones) if _shape(b, "decoupled") in excluded]
     if banned:
         milp.exclude_backbone(banned)
@@ -71,19 +92,26 @@ def to_plan(found: CandidateSet, joints: list, choice: Choice, model: ModelSpec,
     )
 
 
+def runtime_requirements(workload: Workload) -> list[str]:
+    """The workload's runtime requirements, named for a diagnosis."""
+    named = [("megatron_blocks", workload.megatron_blocks), ("exact_devices", workload.exact_devices)]
+    return [name for name, on in named if on]
+
+
 def _solve_lazily(found: CandidateSet, pools: list[LazyPool], joints: list, budget: int,
-                  excluded: list[Shape], verbose: bool) -> Choice | None:
+                  excluded: list[Shape], workload: Workload, verbose: bool) -> Choice | None:
     """The MILP optimum over all candidates, simulating only those that could be part of
     it: after each solve with throughput ``T``, every pending candidate whose rate bound
     reaches ``T`` is simulated and the MILP solved again.  When none is left, the pending
     ones run at less than ``T`` and can be in no plan as good (nor, with ``T`` fixed, in
-    the mismatch and device stages).  While no plan exists yet, the next best-bounded
+    the mismatch and device stages); the workload's runtime requirements only remove
+    plans, so a reach stays an upper bound under them.  While no plan exists yet, the next best-bounded
     candidates are simulated, twice as many each round, until one does or none is left."""
     batch = FIRST_SIMULATED
     while True:
         choice = None
         if (found.encoders and found.backbones) or joints:
-            choice = build_milp(found, joints, budget, excluded, verbose).solve()
+            choice = build_milp(found, joints, budget, excluded, workload, verbose).solve()
         if choice is None:
             if not any(pool.pending for pool in pools):
                 return None
@@ -100,7 +128,9 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
     backbone consumption, samples/s), then minimises their mismatch, then the devices used;
     with ``workload.alternatives`` runners-up, each with another backbone shape.  With
     ``"colocated"`` in ``workload.placements`` the encoder may also sit inside the
-    backbone's stage 0 (one strategy for both, :mod:`.colocated`).  HiGHS prints nothing
+    backbone's stage 0 (one strategy for both, :mod:`.colocated`).  ``workload.megatron_blocks``
+    and ``workload.exact_devices`` restrict the plans to those a fixed Megatron world runs
+    (constraints of the MILP, so the plan is the best of those).  HiGHS prints nothing
     (not even its banner) unless ``verbose``.
 
     Raises :class:`~.diagnose.InfeasibleError` naming the binding constraint.
@@ -115,9 +145,10 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
     if "decoupled" not in workload.placements:
         pool.pending.clear()
     excluded: list[Shape] = []
-    choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded, verbose)
+    choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded, workload, verbose)
     if choice is None:
-        raise InfeasibleError(diagnose(found, cluster_spec, "decoupled" in workload.placements))
+        raise InfeasibleError(diagnose(found, cluster_spec, "decoupled" in workload.placements,
+                                       runtime_requirements(workload)))
     best = to_plan(found, joints, choice, model_spec, proxy, workload)
     runners_up = []
     for _ in range(workload.alternatives):
@@ -125,7 +156,7 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
             excluded.append(_shape(joints[choice.joint], COLOCATED))
         else:
             excluded.append(_shape(found.backbones[choice.backbone], "decoupled"))
-        choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded, verbose)
+        choice = _solve_lazily(found, pools, joints, cluster_spec.devices, excluded, workload, verbose)
         if choice is None:
             break
         runners_up.append(to_plan(found, joints, choice, model_spec, proxy, workload))

@@ -141,6 +141,13 @@ class Workload:
         alternatives: how many runner-up plans to report.
         placements: where the encoder may go: ``"decoupled"`` (devices of its own) and/or
             ``"colocated"`` (inside the backbone's stage 0, Megatron-style).
+        megatron_blocks: a decoupled plan must run in one Megatron world, whose
+            ``initialize_model_parallel`` cuts every rank into backbone ``tp x pp`` blocks:
+            the encoder's devices (``dp x tp``) a multiple of the backbone's ``tp x pp``,
+            and its replicas a multiple of the backbone's (each backbone replica is fed by
+            as many encoder replicas: FlowTrain's ``DecoupledLayout``).  Off by default.
+        exact_devices: use every device of the budget (a runtime whose world is fixed),
+            not at most the budget.  Off by default.
     """
 
     global_batch: int
@@ -152,6 +159,8 @@ class Workload:
     distributed_optimizer: bool = True
     alternatives: int = 3
     placements: tuple[str, ...] = ("decoupled", "colocated")
+    megatron_blocks: bool = False
+    exact_devices: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placements", tuple(self.placements))
