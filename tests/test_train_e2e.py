@@ -69,6 +69,28 @@ def test_both_runs_finish_every_step_on_the_same_samples(job):
         assert all(0 < loss < 20 for loss in losses), losses
 
 
+def test_the_best_config_baseline_trains_the_same_steps_on_the_same_samples(job):
+    """``baseline-pp1`` (``layout.best_baseline_pp``): the same baseline at PP=1 x DP=4
+    finishes the same steps over the same samples from the same init, so its losses are the
+    PP=2 baseline's (same padded microbatches, only the pipeline split differs)."""
+    cfg = job["cfg"]
+    name, best_cfg = cfg.best_baseline()
+    base, best = _steps(job, "baseline"), _steps(job, name)
+    assert [s["step"] for s in best] == list(range(1, cfg.steps + 1))
+    assert [(s["samples"], s["tokens"], s["padded_tokens"]) for s in best] == \
+        [(s["samples"], s["tokens"], s["padded_tokens"]) for s in base]
+    assert [s["loss"] for s in best] == pytest.approx([s["loss"] for s in base], rel=1e-4)
+    record = job["metrics"]["runs"][name]["record"]
+    assert record["layout"].startswith(f"PP={best_cfg.layout.baseline_pp} x DP={best_cfg.baseline_dp}")
+    assert "no pipeline (megatron-core)" in record["features"]
+    assert sorted(r["rank"] for r in record["ranks"]) == list(range(cfg.layout.world_size))
+    flow = job["metrics"]["runs"]["flowtrain"]
+    for baseline in ("baseline", name):
+        assert flow["ratio_to"][baseline]["samples_per_s"] == pytest.approx(
+            flow["derived"]["samples_per_s"] / job["metrics"]["runs"][baseline]["derived"]["samples_per_s"], rel=1e-9)
+    assert f"x {name}" in job["output"] and (job["report"] / f"gantt_{name}.png").stat().st_size > 0
+
+
 def test_report_rates_are_the_measured_ones(job):
     for run in ("baseline", "flowtrain"):
         entry = job["metrics"]["runs"][run]

@@ -33,6 +33,8 @@ def test_shipped_configs_load(name):
     ("model:\n  llm_layers: 2.5\n", r"model\.llm_layers: expected int, got float 2\.5"),
     ("layout:\n  world_size: 3\n", r"layout\.baseline_pp: 2 does not divide layout\.world_size 3"),
     ("layout:\n  pool_backend: nfs\n", r"layout\.pool_backend: 'nfs' is not one of"),
+    ("layout:\n  best_baseline_pp: 3\n", r"layout\.best_baseline_pp: 3 must be >= 1 and divide layout\.world_size 4"),
+    ("layout:\n  best_baseline_pp: 2\n", r"layout\.best_baseline_pp: 2 is layout\.baseline_pp already"),
     ("- a\n- b\n", r"the top level must be a mapping"),
     ("data: [1, 2\n", r"not valid YAML"),
 ])
@@ -42,6 +44,19 @@ def test_config_errors_name_the_file_and_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(path)
     assert str(path) in str(info.value)
+
+
+def test_best_baseline_is_the_baseline_at_its_own_pipeline_size(tmp_path):
+    path = tmp_path / "best.yaml"
+    path.write_text("layout:\n  baseline_pp: 2\n  best_baseline_pp: 1\n")
+    cfg = load_config(path)
+    name, best = cfg.best_baseline()
+    assert name == "baseline-pp1" and best.layout.baseline_pp == 1 and best.baseline_dp == 4
+    # everything else is the main baseline's: same samples, init, microbatches, optimizer
+    assert (best.data, best.model, best.optim, best.seed, best.steps) == (cfg.data, cfg.model, cfg.optim, cfg.seed,
+                                                                           cfg.steps)
+    path.write_text("layout:\n  best_baseline_pp: null\n")
+    assert load_config(path).best_baseline() is None
 
 
 def test_resume_needs_a_step_to_stop_after(tmp_path):

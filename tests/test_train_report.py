@@ -143,6 +143,31 @@ def test_table_shows_rates_ratio_padding_idle_and_memory(runs):
     assert "warm-up" in table
 
 
+def test_table_and_report_give_the_ratio_against_both_baselines(runs, tmp_path):
+    # baseline-pp1 (the baseline's best layout): measured steps of 1.6 s -> 8 samples / 3.2 s = 2.5 samples/s;
+    # flowtrain's 4.0 samples/s is 4.0 / 2.0 = 2.00x the MindSpeed-MM-style baseline and 4.0 / 2.5 = 1.60x the best
+    base, flow = runs
+    best = _run("baseline-pp1", [5.0, 1.6, 1.6], padded=True)
+    records = [base, best, flow]
+    table = format_table(records)
+    header = table.splitlines()[0].split()
+    assert header[5:9] == ["x", "baseline", "x", "baseline-pp1"]
+    assert [c.strip() for c in _row(table, "flowtrain") if c.strip()][5:7] == ["2.00x", "1.60x"]
+    assert [c.strip() for c in _row(table, "baseline-pp1") if c.strip()][3:7] == ["2.50", "200", "1.25x", "1.00x"]
+    assert [c.strip() for c in _row(table, "baseline") if c.strip()][5:7] == ["1.00x", "0.80x"]
+    assert ("flowtrain: 2.00x baseline (baseline layout); 1.60x baseline-pp1 (baseline-pp1 layout)"
+            in table.splitlines())
+    out = write_report(records, tmp_path / "report")
+    metrics = json.loads((out / "metrics.json").read_text())
+    ratio_to = metrics["runs"]["flowtrain"]["ratio_to"]
+    assert ratio_to["baseline"]["samples_per_s"] == pytest.approx(flow.samples_per_s() / base.samples_per_s())
+    assert ratio_to["baseline-pp1"]["samples_per_s"] == pytest.approx(flow.samples_per_s() / best.samples_per_s())
+    assert ratio_to["baseline-pp1"]["samples_per_s"] == pytest.approx(1.6)
+    assert metrics["runs"]["flowtrain"]["ratio_to_baseline"] == ratio_to["baseline"]  # the named baseline's
+    assert "gantt_baseline-pp1.png" in {p.name for p in out.iterdir()}
+    assert table in (out / "summary.md").read_text()
+
+
 def test_write_report_writes_every_file_with_the_records_numbers(runs, tmp_path):
     import matplotlib.image
 

@@ -46,13 +46,18 @@ class LayoutConfig:
     """Processes and how each run places the model on them.
 
     The baseline is PP=``baseline_pp`` x DP=``world_size / baseline_pp`` with the ViT in
-    stage 0.  FlowTrain takes its layout from the allocator when ``use_allocator`` is true
+    stage 0 (the MindSpeed-MM-style pipeline the issue names).  ``best_baseline_pp``, when
+    set, adds a second baseline run at PP=``best_baseline_pp`` x DP=``world_size /
+    best_baseline_pp`` (everything else the same), named ``baseline-pp<N>``: the baseline's
+    best measured configuration, so FlowTrain is also compared with the baseline at its best
+    (docs/train.md).  FlowTrain takes its layout from the allocator when ``use_allocator`` is true
     and the plan fits a ``DecoupledLayout``, otherwise from the three ``flow_*`` sizes
     (``flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp)`` must be ``world_size``).
     """
 
     world_size: int = 4
     baseline_pp: int = 2
+    best_baseline_pp: Optional[int] = None  # None: no second baseline run
     use_allocator: bool = True
     flow_encoder_dp: int = 2
     flow_backbone_pp: int = 2
@@ -91,6 +96,15 @@ class TrainConfig:
     @property
     def baseline_dp(self) -> int:
         return self.layout.world_size // self.layout.baseline_pp
+
+    def best_baseline(self) -> Optional[tuple[str, "TrainConfig"]]:
+        """The second baseline run's name and config (``layout.baseline_pp`` set to
+        ``layout.best_baseline_pp``), or None when the config asks for none."""
+        pp = self.layout.best_baseline_pp
+        if pp is None:
+            return None
+        return f"baseline-pp{pp}", dataclasses.replace(self, layout=dataclasses.replace(self.layout, baseline_pp=pp,
+                                                                                         best_baseline_pp=None))
 
     @property
     def checkpoint_path(self) -> Path:
@@ -140,6 +154,11 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
     if not lay.use_allocator and lay.flow_backbone_dp * (lay.flow_encoder_dp + lay.flow_backbone_pp) != lay.world_size:
         problems.append(f"layout: flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp) = {lay.flow_backbone_dp} * "
                         f"({lay.flow_encoder_dp} + {lay.flow_backbone_pp}) is not world_size {lay.world_size}")
+    best = lay.best_baseline_pp
+    if best is not None and (best < 1 or lay.world_size % best):
+        problems.append(f"layout.best_baseline_pp: {best} must be >= 1 and divide layout.world_size {lay.world_size}")
+    if best is not None and best == lay.baseline_pp:
+        problems.append(f"layout.best_baseline_pp: {best} is layout.baseline_pp already (null: no second baseline)")
     if lay.pool_backend not in POOL_BACKENDS:
         problems.append(f"layout.pool_backend: {lay.pool_backend!r} is not one of {POOL_BACKENDS}")
     if problems:

@@ -3,7 +3,9 @@ seconds per rank, so the phases share it).
 
 Phases, in order (``cli`` picks which):
 
-1. ``baseline``: the MindSpeed-MM-style run for ``steps`` steps.
+1. ``baseline``: the MindSpeed-MM-style run for ``steps`` steps; then, when
+   ``layout.best_baseline_pp`` is set, ``baseline-pp<N>``: the same baseline at that
+   pipeline size (its best configuration), same samples and init.
 2. ``flowtrain``: the ``--use-flowtrain`` run over the same steps' samples; after step
    ``resume_at`` each rank writes a checkpoint (its trainer's model, optimizer and RNG
    state, and the feed's loader state) to ``checkpoint_dir``.
@@ -59,6 +61,14 @@ class Phases:
             return cls(runs=(args.only,), parity=False,
                        resume=args.only == RESUME_RUN and not args.no_resume_check)
         return cls(runs=RUNS, parity=True, resume=not args.no_resume_check)
+
+    def with_best_baseline(self, cfg: "TrainConfig") -> "Phases":
+        """The best-configuration baseline right after the main one, when the config names
+        one and both runs train (``--only`` and ``--parity`` keep their single phase)."""
+        best = cfg.best_baseline()
+        if best is None or self.runs != RUNS:
+            return self
+        return dataclasses.replace(self, runs=(RUNS[0], best[0], *RUNS[1:]))
 
 
 @dataclass
@@ -151,9 +161,11 @@ def rank_main(env: "DistEnv", emit: Callable, cfg: "TrainConfig", phases: Phases
     started_at = time.time()
     out: dict[str, RankRun] = {}
     checkpoint_at = cfg.resume_at if phases.resume else None
-    for kind in phases.runs:
-        out[kind] = _train(kind, cfg, env, emit, phase=kind, steps=cfg.steps,
-                           checkpoint_at=checkpoint_at if kind == RESUME_RUN else None)
+    best = cfg.best_baseline()
+    for name in phases.runs:
+        kind, run_cfg = (RUNS[0], best[1]) if best is not None and name == best[0] else (name, cfg)
+        out[name] = _train(kind, run_cfg, env, emit, phase=name, steps=cfg.steps,
+                           checkpoint_at=checkpoint_at if name == RESUME_RUN else None)
     if phases.parity:
         for kind in RUNS:
             out[f"parity-{kind}"] = _train(kind, cfg, env, emit, phase=f"parity {kind}", parity=True,
@@ -266,6 +278,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"mindspeed-flow train: {exc}", file=sys.stderr)
         return 2
     cfg = with_tokenizer(cfg)  # makes the corpus first if missing, before the ranks start
+    phases = phases.with_best_baseline(cfg)
     print(f"mindspeed-flow train {args.config}: {cfg.layout.world_size} ranks, {cfg.steps} steps; phases: "
           f"{', '.join(phases.runs) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
           flush=True)

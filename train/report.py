@@ -35,8 +35,9 @@ from mindspeed_flow.train.metrics import (
 
 BASELINE = "baseline"
 RULES = ("rates over the measured steps (every step but the first, warm-up one); tokens are real "
-         "(non-padding) tokens; x baseline = samples/s over the baseline's; padding = 1 - real / computed "
-         "tokens; idle = 1 - compute (F/B/W) time / step time per rank")
+         "(non-padding) tokens; x <baseline run> = samples/s over that baseline run's (baseline: the "
+         "MindSpeed-MM-style layout; baseline-ppN: the same baseline at PP=N, its best configuration); "
+         "padding = 1 - real / computed tokens; idle = 1 - compute (F/B/W) time / step time per rank")
 # How a measured interval is drawn: compute bars fill the row (forward light, backward dark,
 # weight-gradient backward dotted); transfers are thin hatched bars under them.
 _ALPHA = {"F": 0.45, "B": 0.95, "W": 0.95, "PUT": 0.5, "GET": 0.5, "SEND": 0.5, "RECV": 0.5, "REDUCE": 0.5}
@@ -47,6 +48,14 @@ _LABEL = {"F": "F", "B": "B", "W": "W (weight grads)", "PUT": "pool put", "GET":
 
 def _baseline(records: Sequence[RunRecord]) -> RunRecord | None:
     return next((r for r in records if r.name == BASELINE), None)
+
+
+def _baselines(records: Sequence[RunRecord]) -> list[RunRecord]:
+    """Every baseline run, the MindSpeed-MM-style ``baseline`` first, then the others
+    (``baseline-pp<N>``: the same baseline in another layout), in run order."""
+    others = [r for r in records if r.name.startswith(BASELINE + "-")]
+    main = _baseline(records)
+    return ([main] if main is not None else []) + others
 
 
 def _grid(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int) -> list[str]:
@@ -71,16 +80,29 @@ def _devices(record: RunRecord) -> str:
     return f"{record.world_size} {record.device}".rstrip()
 
 
+def _against_baselines(records: Sequence[RunRecord], baselines: Sequence[RunRecord]) -> list[str]:
+    """One line per run that is not a baseline, when there are several baselines: its
+    samples/s ratio against each, named by layout."""
+    if len(baselines) < 2:
+        return []
+    return [f"{r.name}: " + "; ".join(f"{_ratio_text(r, b)} {b.name} ({b.layout})" for b in baselines)
+            for r in records if r not in baselines]
+
+
 def format_table(records: Sequence[RunRecord]) -> str:
-    """The terminal table: one line per run, then one line per rank of each run."""
-    base = _baseline(records)
+    """The terminal table: one line per run (with its samples/s ratio against every baseline
+    run), then one line per rank of each run."""
+    baselines = _baselines(records)
+    columns: list[RunRecord | None] = list(baselines) or [None]  # no baseline run: one column of "-"
     runs = [[r.name, _devices(r), r.layout, f"{r.samples_per_s():.2f}", f"{r.tokens_per_s():.0f}",
-             _ratio_text(r, base), f"{r.padding_fraction():.1%}", f"{r.peak_memory_mb():.0f}"]
+             *(_ratio_text(r, b) for b in columns), f"{r.padding_fraction():.1%}", f"{r.peak_memory_mb():.0f}"]
             for r in records]
     ranks = [[f"{r.name} r{k.rank}", k.role, f"{k.idle_fraction:.1%}", f"{k.busy_s:.3f}", f"{k.step_s:.3f}",
               f"{k.peak_memory_mb:.0f}"]
              for r in records for k in sorted(r.ranks, key=lambda k: k.rank)]
-    lines = _grid(["run", "devices", "layout", "samples/s", "tokens/s", "x baseline", "padding", "peak MB"], runs, 3)
+    ratios = [f"x {b.name if b else BASELINE}" for b in columns]
+    lines = _grid(["run", "devices", "layout", "samples/s", "tokens/s", *ratios, "padding", "peak MB"], runs, 3)
+    lines += _against_baselines(records, baselines)
     lines += [""] + _grid(["rank", "role", "idle", "busy s", "step s", "peak MB"], ranks, 2)
     lines += [""] + textwrap.wrap(RULES, 100)
     return "\n".join(lines)
@@ -95,11 +117,15 @@ def metrics_json(records: Sequence[RunRecord], *, parity: ParityResult | None = 
                  resume: ResumeResult | None = None) -> dict[str, Any]:
     """Everything measured and derived, as written to ``metrics.json``."""
     base = _baseline(records)
+    baselines = _baselines(records)
     runs = {}
     for r in records:
         entry: dict[str, Any] = {"derived": r.derived(), "record": r.to_json()}
         if base is not None:
             entry["ratio_to_baseline"] = {k: _finite(v) for k, v in throughput_ratio(r, base).items()}
+        if baselines:  # every baseline run by name (the MindSpeed-MM-style one and its best configuration)
+            entry["ratio_to"] = {b.name: {k: _finite(v) for k, v in throughput_ratio(r, b).items()}
+                                 for b in baselines}
         runs[r.name] = entry
     return {"rules": RULES, "runs": runs,
             "parity": parity.to_json() if parity else None, "resume": resume.to_json() if resume else None}
