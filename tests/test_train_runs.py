@@ -42,12 +42,12 @@ def _config():
                        optim=OptimConfig(lr=1e-2), steps=STEPS, resume_at=SAVE_AFTER)
 
 
-def _backbone_dp_config(cfg):
-    """FlowTrain as 2 slices of (1 ViT rank + a 1-stage GPT): backbone data parallelism."""
+def _config_layout(cfg):
+    """FlowTrain in the config's layout (2 ViT ranks + a 2-stage GPT pipeline), not the
+    allocator's (2 slices of 1 ViT rank + a 1-stage GPT, which the ``flowtrain`` run is)."""
     import dataclasses
 
-    return dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, use_allocator=False, flow_encoder_dp=1,
-                                                               flow_backbone_pp=1, flow_backbone_dp=2))
+    return dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, use_allocator=False))
 
 
 def _sample(index: int, g: torch.Generator):
@@ -177,13 +177,13 @@ def _worker(rank, world_size):
         padded = build_trainer("baseline", cfg, env, parity=False)
         out["padded"] = padded.train_step(steps[0])
         padded.close()
-        flow_dp = build_trainer("flowtrain", _backbone_dp_config(cfg), env, parity=True)
-        out["flow_dp"] = {"outcome": flow_dp.train_step(steps[0]), "grads": _named_grads(flow_dp.model),
-                          "role": flow_dp.role, "plan_text": flow_dp.plan_text}
+        flow_pp = build_trainer("flowtrain", _config_layout(cfg), env, parity=True)
+        out["flow_pp"] = {"outcome": flow_pp.train_step(steps[0]), "grads": _named_grads(flow_pp.model),
+                          "role": flow_pp.role, "plan_text": flow_pp.plan_text}
         for kind, state in saved.items():  # another run's, or the same run's in another layout
             with pytest.raises(CheckpointMismatch, match=f"checkpoint of .*'run': '{kind}'"):
-                flow_dp.load_state_dict(state)
-        flow_dp.close()
+                flow_pp.load_state_dict(state)
+        flow_pp.close()
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=1)
         try:
             out["reference"] = _reference(steps[:STEPS], cfg) if rank == 0 else None
@@ -220,10 +220,11 @@ def test_parity_losses_equal_each_other_and_single_process(ranks):
 
 def test_gradients_are_the_step_losses(ranks):
     """Every rank's first-step gradients (after the runs' reductions) are the single
-    process's: AdamW hides a wrong gradient scale from the losses, this does not.  Also
-    FlowTrain with two backbone replicas (average_grads over them, each its share)."""
+    process's: AdamW hides a wrong gradient scale from the losses, this does not: FlowTrain
+    in the allocator's layout (two backbone replicas: average_grads over them, each its
+    share) and in the config's (one 2-stage backbone pipeline)."""
     _, reference = ranks[0]["reference"]
-    for kind in ("baseline", "flowtrain", "flow_dp"):
+    for kind in ("baseline", "flowtrain", "flow_pp"):
         seen = set()
         for rank, got in enumerate(ranks):
             for name, grad in got[kind]["grads"].items():
@@ -232,12 +233,12 @@ def test_gradients_are_the_step_losses(ranks):
         assert seen == set(reference), (kind, set(reference) ^ seen)
 
 
-def test_flow_backbone_data_parallel_step_loss(ranks):
+def test_flow_config_layout_pipeline_step_loss(ranks):
     reference, _ = ranks[0]["reference"]
-    assert [got["flow_dp"]["role"].split()[0] for got in ranks] == ["ViT", "ViT", "LLM", "LLM"]
-    assert "use_allocator is false" in ranks[0]["flow_dp"]["plan_text"]
+    assert [got["flow_pp"]["role"] for got in ranks][2:] == ["LLM pp0 dp0", "LLM pp1 dp0"]
+    assert "use_allocator is false" in ranks[0]["flow_pp"]["plan_text"]
     for got in ranks:
-        assert got["flow_dp"]["outcome"].loss == pytest.approx(reference[0], rel=1e-5, abs=0)
+        assert got["flow_pp"]["outcome"].loss == pytest.approx(reference[0], rel=1e-5, abs=0)
 
 
 def test_padded_baseline_has_the_same_first_loss_and_counts_padding(ranks):
@@ -281,14 +282,17 @@ def test_baseline_timeline_has_one_forward_and_backward_per_microbatch_per_stage
 def test_flow_timeline_has_pool_puts_and_gets(ranks):
     roles = [got["flowtrain"]["role"] for got in ranks]
     assert [r.split()[0] for r in roles] == ["ViT", "ViT", "LLM", "LLM"]
-    for rank in (0, 1, 2):  # the ViT replicas and the first LLM stage meet in the pool
+    for rank in range(WORLD):  # each ViT replica meets its backbone replica's (only) stage in the pool
         kinds = {iv.kind for iv in ranks[rank]["flowtrain"]["outcomes"][0].intervals}
         assert {"F", "B", "PUT", "GET"} <= kinds, (rank, kinds)
-    vit_forwards = sorted(iv.microbatch for rank in (0, 1) for iv in ranks[rank]["flowtrain"]["outcomes"][0].intervals
-                          if iv.kind == "F")
-    assert vit_forwards == list(range(PACKS_PER_STEP))  # each microbatch's embeddings made once
-    assert "co-located" in ranks[0]["flowtrain"]["plan_text"]  # 4 CPU ranks: the allocator co-locates
-    assert "allocator plan" not in ranks[0]["flowtrain"]["features"]  # so the report does not claim it
+    for rank in (0, 1):  # each ViT rank feeds one of the 2 backbone replicas: its share's embeddings, once each
+        forwards = sorted(iv.microbatch for iv in ranks[rank]["flowtrain"]["outcomes"][0].intervals if iv.kind == "F")
+        assert forwards == list(range(PACKS_PER_STEP // 2)), rank
+    # 4 CPU ranks: the allocator's best runnable plan (its unconstrained best co-locates) is what ran
+    assert [got["flowtrain"]["role"] for got in ranks][2:] == ["LLM pp0 dp0", "LLM pp0 dp1"]
+    assert ranks[0]["flowtrain"]["plan_text"].startswith("allocator plan used: decoupled: encoder dp=2 tp=1; "
+                                                         "backbone pp=1 dp=2")
+    assert "allocator plan" in ranks[0]["flowtrain"]["features"]
 
 
 # --------------------------------------------------------------------------- layouts (one process)
@@ -320,14 +324,30 @@ def test_allocator_plans_flowtrain_cannot_run_say_why(plan, reason):
     assert (reason in why and why) if reason else why == ""
 
 
-def test_the_best_plan_flowtrain_can_run_is_chosen():
-    from mindspeed_flow.train.flow import first_realisable
+def test_demo_runs_the_allocators_plan_for_its_ranks():
+    """With the demo config's ranks the unconstrained best plan is co-located (no
+    DecoupledLayout runs it); asked for runnable plans only (decoupled, Megatron's blocks,
+    every rank), the allocator's best is what FlowTrain's layout is."""
+    import dataclasses
+    from pathlib import Path
 
-    colocated, runner_up = _plan(2, 2, 1, placement="colocated"), _plan(2, 2, 1)
-    chosen, why = first_realisable([colocated, colocated, runner_up], 4)
-    assert chosen is runner_up and why.count("co-located") == 1  # the same reason once
-    chosen, why = first_realisable([colocated, _plan(4, 1, 2)], 4)
-    assert chosen is None and "co-located" in why and "uses 6 of the 4 ranks" in why
+    from mindspeed_flow.allocator import solve
+    from mindspeed_flow.train.config import load_config
+    from mindspeed_flow.train.flow import allocator_problem, flow_layout
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "train" / "demo.yaml")
+    world = cfg.layout.world_size
+    model, cluster, proxy, workload = allocator_problem(cfg, world)
+    assert solve(model, cluster, proxy, workload).placement == "colocated"  # so the requirements matter
+    plan = solve(model, cluster, proxy, dataclasses.replace(workload, placements=("decoupled",),
+                                                            megatron_blocks=True, exact_devices=True))
+    chosen = flow_layout(cfg, world)
+    assert chosen.from_allocator and chosen.plan_text.startswith("allocator plan used: decoupled")
+    d = chosen.decoupled
+    assert (d.encoder_dp * d.backbone_dp, d.backbone_pp, d.backbone_dp) == (
+        plan.encoder.dp, plan.backbone.pp, plan.backbone.dp)
+    assert d.world_size == world and chosen.layer_split == plan.backbone.layer_split
+    assert "best without the runtime's requirements: colocated" in chosen.plan_text
 
 
 def test_flow_layout_follows_the_allocator_or_says_why_not():
@@ -336,18 +356,14 @@ def test_flow_layout_follows_the_allocator_or_says_why_not():
     from mindspeed_flow.train.flow import flow_layout
 
     cfg = _config()
-    for world in (4, 6):
-        try:
-            chosen = flow_layout(cfg, world)
-        except ValueError as exc:  # neither the plan nor the config's 2 + 2 ranks fit 6
-            assert world == 6 and "not the allocator's layout because" in str(exc)
-            continue
-        assert chosen.decoupled.world_size == world
-        if chosen.from_allocator:
-            assert f"backbone pp={chosen.decoupled.backbone_pp} dp={chosen.decoupled.backbone_dp}" in chosen.plan_text
-        else:  # the config's 2 ViT + PP=2 layout, which fits 4 ranks only
-            assert world == 4 and chosen.plan_text.startswith("config layout") and "allocator" in chosen.plan_text
-            assert (chosen.decoupled.encoder_dp, chosen.decoupled.backbone_pp) == (2, 2)
+    for world in (4, 5, 6):
+        chosen = flow_layout(cfg, world)
+        assert chosen.from_allocator and chosen.decoupled.world_size == world
+        assert f"backbone pp={chosen.decoupled.backbone_pp} dp={chosen.decoupled.backbone_dp}" in chosen.plan_text
+    one_pack = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packs_per_step=1))
+    chosen = flow_layout(one_pack, 4)  # 1 sample a step: 1 encoder + 1 backbone replica cannot use 4 ranks
+    assert not chosen.from_allocator and "runtime requirements" in chosen.plan_text
+    assert (chosen.decoupled.encoder_dp, chosen.decoupled.backbone_pp) == (2, 2)  # the config's layout
     manual = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, use_allocator=False))
     assert "use_allocator is false" in flow_layout(manual, 4).plan_text
     with pytest.raises(ValueError, match="= 4 ranks, but the world has 6 .not the allocator's layout because "

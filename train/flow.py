@@ -34,7 +34,6 @@ FUSED_ATTN = "fused_attn"
 # The CPU cluster and measured profile the allocator plans the tiny model on.
 ALLOCATOR_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "allocator" / "tiny_cpu.yaml"
 ALLOCATOR_FEATURE = "allocator plan"
-ALTERNATIVES = 3  # runners-up asked of the allocator, for when its best plan cannot run here
 _POOL_MIN_BYTES = 8 << 20
 _instances = iter(range(1 << 30))
 
@@ -56,8 +55,9 @@ class FlowLayout:
 
 
 def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
-    """The allocator's plan when ``layout.use_allocator`` and the plan is one a
-    :class:`DecoupledLayout` of ``world_size`` ranks runs; otherwise the config's
+    """The allocator's plan when ``layout.use_allocator``: the best plan a
+    :class:`DecoupledLayout` of ``world_size`` ranks runs (the allocator is asked for exactly
+    those, :func:`allocator_plan`); otherwise, or when no such plan exists, the config's
     ``flow_encoder_dp`` / ``flow_backbone_pp`` / ``flow_backbone_dp``, with the reason."""
     from mindspeed_flow.pool.decoupled import DecoupledLayout
     from mindspeed_flow.train.trainer import even_split
@@ -67,12 +67,11 @@ def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
     if lay.use_allocator:
         plan, reason = allocator_plan(cfg, world_size)
         if plan is not None:
-            better = f" (better plans that cannot run here: {reason})" if reason else ""
             b = plan.backbone
             decoupled = DecoupledLayout(encoder_dp=plan.encoder.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp,
                                         max_ahead=lay.max_ahead, encoder_layers=cfg.model.vit_layers,
                                         backbone_layers=cfg.model.llm_layers)
-            return FlowLayout(decoupled, tuple(b.layer_split), f"allocator plan used: {describe_plan(plan)}{better}",
+            return FlowLayout(decoupled, tuple(b.layer_split), f"allocator plan used: {describe_plan(plan)} ({reason})",
                               from_allocator=True)
     decoupled = DecoupledLayout(encoder_dp=lay.flow_encoder_dp, backbone_pp=lay.flow_backbone_pp,
                                 backbone_dp=lay.flow_backbone_dp, max_ahead=lay.max_ahead,
@@ -97,15 +96,12 @@ def check_megatron_placement(layout: "DecoupledLayout") -> None:
                          "line up with the backbone's stages")
 
 
-def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
-    """The best of the allocator's plans (and runners-up) for the tiny model on
-    ``world_size`` CPU devices (TP 1) that a :class:`DecoupledLayout` runs, with why the
-    better ones could not; ``(None, why none could)`` when none can."""
-    from mindspeed_flow.allocator import (AllocatorError, InfeasibleError, ModelSpec, ModuleSpec, Profile,
-                                          ProxyModel, load_config, solve)
+def allocator_problem(cfg: "TrainConfig", world_size: int) -> tuple[Any, Any, Any, Any]:
+    """``(model, cluster, proxy, workload)``: the tiny model of ``cfg`` on ``world_size``
+    CPU devices of the measured CPU profile (TP 1, one pack per allocator sample), as the
+    allocator sees it before the runtime's requirements are added."""
+    from mindspeed_flow.allocator import ModelSpec, ModuleSpec, Profile, ProxyModel, load_config
 
-    if not ALLOCATOR_CONFIG.is_file():
-        return None, f"the allocator's CPU profile config {ALLOCATOR_CONFIG} is not there (installed without configs/)"
     m = cfg.model
     tokens = cfg.data.capacity  # one allocator sample = one pack
     model = ModelSpec(
@@ -114,27 +110,32 @@ def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
         backbone=ModuleSpec(layers=m.llm_layers, hidden=m.llm_hidden, heads=m.llm_heads, ffn=m.llm_ffn,
                             tokens_per_sample=tokens, vocab=max(m.vocab_size, 1), gated=False),
         name="tiny VLM (train config)")
+    base = load_config(ALLOCATOR_CONFIG)
+    cluster = replace(base.cluster, devices=world_size)
+    workload = replace(base.workload, global_batch=cfg.data.packs_per_step, tp_choices=(1,), alternatives=0)
+    return model, cluster, ProxyModel(Profile.load(base.profile), cluster), workload
+
+
+def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
+    """The allocator's best plan among those a :class:`DecoupledLayout` of ``world_size``
+    CPU ranks runs - decoupled, Megatron's ``tp x pp`` blocks, every rank - with what the
+    best plan without those requirements would have been; ``(None, the allocator's
+    diagnosis)`` when no plan meets them."""
+    from mindspeed_flow.allocator import AllocatorError, InfeasibleError, solve
+
+    if not ALLOCATOR_CONFIG.is_file():
+        return None, f"the allocator's CPU profile config {ALLOCATOR_CONFIG} is not there (installed without configs/)"
     try:
-        base = load_config(ALLOCATOR_CONFIG)
-        cluster = replace(base.cluster, devices=world_size)
-        workload = replace(base.workload, global_batch=cfg.data.packs_per_step, tp_choices=(1,),
-                           alternatives=ALTERNATIVES)
-        plan = solve(model, cluster, ProxyModel(Profile.load(base.profile), cluster), workload)
+        model, cluster, proxy, workload = allocator_problem(cfg, world_size)
+        runnable = replace(workload, placements=("decoupled",), megatron_blocks=True, exact_devices=True)
+        plan = solve(model, cluster, proxy, runnable)
+        free = solve(model, cluster, proxy, workload)
     except (InfeasibleError, AllocatorError, OSError) as exc:
-        return None, f"the allocator found no plan ({exc})"
-    return first_realisable([plan, *plan.alternatives], world_size)
-
-
-def first_realisable(plans: list, world_size: int) -> tuple[Any, str]:
-    """The first of ``plans`` (best first) that :func:`unrealisable` lets run, with why
-    each one before it cannot; ``(None, why none can)``."""
-    skipped = []
-    for plan in plans:
-        why = unrealisable(plan, world_size)
-        if not why:
-            return plan, "; ".join(dict.fromkeys(skipped))
-        skipped.append(f"{why}: {describe_plan(plan)}")
-    return None, "; ".join(dict.fromkeys(skipped))  # runners-up may repeat a shape
+        return None, f"the allocator found no plan this run can use ({exc})"
+    why = unrealisable(plan, world_size)
+    if why:  # the allocator's requirements and this runtime disagree: a bug, not a fallback
+        raise RuntimeError(f"the allocator's runnable plan cannot run here: {why}: {describe_plan(plan)}")
+    return plan, f"best without the runtime's requirements: {describe_plan(free)}"
 
 
 def unrealisable(plan: Any, world_size: int) -> str:
@@ -191,7 +192,7 @@ class FlowTrainer(Trainer):
         self.decoupled = layout = chosen.decoupled
         self.layout, self.plan_text = chosen.describe(), chosen.plan_text
         if not chosen.from_allocator:
-            self.features = tuple("layout from the config (allocator's plan not runnable, see plan)"
+            self.features = tuple("layout from the config (no runnable allocator plan, see plan)"
                                   if f == ALLOCATOR_FEATURE else f for f in self.features)
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=layout.backbone_pp,
                                                  order="tp-cp-ep-pp-dp")
