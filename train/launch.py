@@ -98,6 +98,10 @@ def _rank_session(env: DistEnv, init: Callable[[timedelta], None], timeout_s: fl
     else:
         torch.cuda.set_device(env.device)
     init(timedelta(seconds=timeout_s))
+    # Gloo can hand a rank its process group before the peers have finished connecting to
+    # it; a rank that then finished at once (a worker with no collective) closed its sockets
+    # under a peer still in connectFullMesh ("Connection closed by peer", seen once in CI).
+    dist.barrier()
     shims = None
     if env.cpu and megatron:
         from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
