@@ -80,20 +80,10 @@ def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
         raise ValueError(f"layout: flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp) = "
                          f"{decoupled.world_size} ranks, but the world has {world_size} (not the allocator's "
                          f"layout because {reason})")
-    check_megatron_placement(decoupled)
+    decoupled.megatron_parallel_kwargs()  # refuses encoder ranks that split Megatron's pipelines
     split = tuple(even_split(cfg.model.llm_layers, decoupled.backbone_pp))
     return FlowLayout(decoupled, split, f"config layout (flow_encoder_dp/flow_backbone_pp/flow_backbone_dp): {reason}",
                       from_allocator=False)
-
-
-def check_megatron_placement(layout: "DecoupledLayout") -> None:
-    """Megatron's pipelines are consecutive ranks (``order="tp-cp-ep-pp-dp"``): the encoder
-    ranks in front must fill whole pipelines so that each backbone replica is one of them."""
-    encoders = len(layout.encoder_ranks)
-    if encoders % layout.backbone_pp:
-        raise ValueError(f"FlowTrain layout: {encoders} encoder ranks in front of the backbone are not a multiple of "
-                         f"backbone_pp={layout.backbone_pp}, so Megatron's pipelines (consecutive ranks) would not "
-                         "line up with the backbone's stages")
 
 
 def allocator_problem(cfg: "TrainConfig", world_size: int) -> tuple[Any, Any, Any, Any]:
@@ -154,7 +144,7 @@ def unrealisable(plan: Any, world_size: int) -> str:
     if plan.devices != world_size:
         return f"the plan uses {plan.devices} of the {world_size} ranks"
     try:
-        check_megatron_placement(DecoupledLayout(encoder_dp=e.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp))
+        DecoupledLayout(encoder_dp=e.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp).megatron_parallel_kwargs()
     except ValueError as exc:
         return str(exc)
     return ""
