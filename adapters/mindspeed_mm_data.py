@@ -16,11 +16,17 @@ With ``--flow-packing``:
   ``--seq-length``, ``window`` (default :data:`WINDOW`) and ``num_workers`` from
   ``dataloader_param``, this rank's DP coordinates from the DP group upstream passes, decoding
   on the lowest rank of the model-parallel group (first pipeline stage, TP rank 0), the
-  batches broadcast to the other TP/PP ranks, packs ordered per step for ``pp_size`` stages.  After a checkpoint load
+  batches handed to the other TP/PP ranks one step at a time, packs ordered per step for
+  ``pp_size`` stages.  After a checkpoint load
   (``args.iteration > 0``) the loader resumes from the state saved beside that checkpoint.
 - ``build_iterations`` wraps it in :class:`FlowTrainIterator`: epochs one after the other,
   each microbatch recorded for the consumed-samples accounting
   (:mod:`mindspeed_flow.data.accounting`).
+- ``get_forward_backward_func`` returns the schedule wrapped by :func:`forward_backward_handoff`:
+  before the schedule's first transfer, every rank of the replica takes part in one
+  collective that moves the step's batches from the decoding rank to its TP/PP peers
+  (:mod:`mindspeed_flow.data.handoff`); ``next(data_iterator)`` inside ``forward_step``
+  never communicates, so a later pipeline stage cannot deadlock the first.
 - ``save_checkpoint`` also writes each decoding rank's loader state,
   ``flow_loader_dprank{DP:03d}.pt`` in the checkpoint's directory (Megatron's
   ``get_checkpoint_name`` layout).
@@ -30,6 +36,7 @@ Nothing upstream is imported at module level.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -41,6 +48,7 @@ import torch
 from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.accounting import record_microbatch
 from mindspeed_flow.data.batch import completed_samples
+from mindspeed_flow.data.handoff import StepBatches
 
 from .mindspeed_mm import _argument
 
@@ -104,37 +112,79 @@ def load_processor(path: Optional[str]) -> Any:
     return AutoProcessor.from_pretrained(path, local_files_only=True)
 
 
-class FlowTrainIterator:
-    """The train loop's data iterator: the loader's epochs one after another.
+class FlowTrainIterator(StepBatches):
+    """The train loop's data iterator: the loader's epochs one after another, each step's
+    batches handed to the replica's TP/PP peers by :func:`forward_backward_handoff`
+    (:class:`~mindspeed_flow.data.handoff.StepBatches`).
 
     On the decoding rank each microbatch handed out is recorded for the consumed-samples
     accounting.  ``save_state`` is the loader's ``state_dict`` (the name Megatron's
     ``maybe_save_dataloader_state`` looks for)."""
 
     def __init__(self, loader: FlowDataLoader) -> None:
-        self.loader = loader
-        self._epoch: Optional[Any] = None
+        super().__init__(loader)
         _LIVE.add(self)
 
     def __iter__(self) -> "FlowTrainIterator":
         return self
 
     def __next__(self) -> dict[str, Any]:
-        for _ in range(2):  # one epoch ending, the next starting
-            if self._epoch is None:
-                self._epoch = iter(self.loader)
-            try:
-                batch = next(self._epoch)
-            except StopIteration:
-                self._epoch = None
-                continue
-            if self.loader.decoding:
-                record_microbatch(completed_samples(batch["sample_ids"]), batch["input_ids"].shape[1])
-            return batch
-        raise RuntimeError(f"FlowDataLoader: DP rank {self.loader.dp_rank} has no sample to pack in a whole epoch")
+        batch = super().__next__()
+        if self.loader.decoding:
+            record_microbatch(completed_samples(batch["sample_ids"]), batch["input_ids"].shape[1])
+        return batch
 
     def save_state(self) -> dict[str, Any]:
+        if self.kept:
+            log.warning("--flow-packing: saving the loader state with %d batches handed off but not taken yet: "
+                        "a resume continues after them", self.kept)
         return self.loader.state_dict()
+
+
+# How deep to look through wrappers of the train loop's iterator (Megatron's RerunDataIterator...).
+_WRAPPER_ATTRS = ("iterable", "iterator", "_iterator", "data_iterator")
+
+
+def flow_iterators(data_iterator: Any) -> list[FlowTrainIterator]:
+    """The :class:`FlowTrainIterator` behind each of ``data_iterator`` (one, or a list per
+    model chunk), looking through wrappers such as Megatron's ``RerunDataIterator``; each
+    once, in list order (the same order on every rank)."""
+    found: list[FlowTrainIterator] = []
+    for it in data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]:
+        for _ in range(4):
+            if it is None or isinstance(it, FlowTrainIterator):
+                break
+            it = next((getattr(it, a) for a in _WRAPPER_ATTRS if getattr(it, a, None) is not None), None)
+        if isinstance(it, FlowTrainIterator) and all(it is not f for f in found):
+            found.append(it)
+    return found
+
+
+def forward_backward_handoff(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``get_forward_backward_func``: whatever schedule it returns (Megatron's 1F1B or
+    interleaved, or the plugin's runtime), wrapped so that each call first hands the step's
+    ``num_microbatches`` batches of every packing iterator to the replica's TP/PP peers.
+    Every rank of a replica calls ``forward_backward_func`` at the start of its train step
+    and of each evaluation step, before any point-to-point transfer: no stage can wait there
+    for an activation (issue 19, defect 1)."""
+    func = wrapped(*args, **kwargs)
+    if getattr(func, "_flow_handoff", False):
+        return func
+
+    @functools.wraps(func)
+    def with_handoff(*fargs: Any, **fkwargs: Any) -> Any:
+        iterators = flow_iterators(fkwargs.get("data_iterator"))
+        if iterators:
+            n = fkwargs.get("num_microbatches")
+            if n is None:
+                raise TypeError("--flow-packing: forward_backward_func was called without num_microbatches=; "
+                                "the step's batches cannot be handed off")
+            for iterator in iterators:
+                iterator.handoff(int(n))
+        return func(*fargs, **fkwargs)
+
+    with_handoff._flow_handoff = True  # type: ignore[attr-defined]
+    return with_handoff
 
 
 def build_dataset(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -36,6 +36,15 @@ PATCHES = [
     ),
     Patch(
         feature=FEATURE,
+        target="megatron.core.pipeline_parallel.schedules:get_forward_backward_func",
+        wrapper=mindspeed_mm_data.forward_backward_handoff,
+        params="",
+        checked=("megatron-core 0.12.3", "megatron-core 0.16.1", "Megatron-LM core_r0.12.1"),
+        order=10,  # outside the schedule feature's wrapper, so it wraps whichever schedule that one returns
+        description="hand each step's batches to the replica's TP/PP peers before the schedule's first transfer",
+    ),
+    Patch(
+        feature=FEATURE,
         target="megatron.training.checkpointing:save_checkpoint",
         wrapper=mindspeed_mm_data.save_checkpoint,
         params="iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far",

@@ -72,3 +72,67 @@ def receive_epoch(src: int, group: Any, device: torch.device) -> Iterator[dict[s
             dist.broadcast(batch[key], src=src, group=group)
         batch["sample_ids"] = header["sample_ids"]
         yield batch
+
+
+# --------------------------------------------------------------------------- the step hand-off
+#
+# A pipeline stage after the first asks for its batch only once it received the previous
+# stage's activation, so a collective inside ``next(data_iterator)`` deadlocks every
+# pipeline.  The step hand-off moves all of one step's batches at once, at a point every
+# rank of the group reaches before the schedule's first point-to-point transfer (the start
+# of ``forward_backward_func``): one header, then one flat tensor per dtype.
+
+
+def _flat_layout(metas: list[list[tuple[str, str, tuple]]]) -> dict[str, list[tuple[int, int, str, tuple]]]:
+    """dtype -> [(batch, offset, key, shape)] in batch and key order, the same on every rank."""
+    layout: dict[str, list[tuple[int, int, str, tuple]]] = {}
+    offsets: dict[str, int] = {}
+    for b, meta in enumerate(metas):
+        for key, dtype, shape in meta:
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            layout.setdefault(dtype, []).append((b, offsets.get(dtype, 0), key, tuple(shape)))
+            offsets[dtype] = offsets.get(dtype, 0) + numel
+    return {dtype: entries + [(-1, offsets[dtype], "", ())] for dtype, entries in sorted(layout.items())}
+
+
+def send_step(batches: list[dict[str, Any]], src: int, group: Any, device: torch.device) -> None:
+    """The source rank's half of :func:`receive_step`: ``batches`` (CPU or ``device``
+    tensors) to every peer of ``group``: one header, one ``broadcast`` per dtype."""
+    import torch.distributed as dist
+
+    metas = [[(k, str(b[k].dtype).removeprefix("torch."), tuple(b[k].shape)) for k in TENSOR_KEYS] for b in batches]
+    _header({"end": False, "step": metas, "sample_ids": [b["sample_ids"] for b in batches]}, src, group, device)
+    for dtype, entries in _flat_layout(metas).items():
+        if entries[-1][1] == 0:
+            continue  # nothing of this dtype (empty tensors only)
+        flat = torch.cat([batches[b][key].reshape(-1) for b, _, key, _ in entries[:-1]]).to(device)
+        dist.broadcast(flat, src=src, group=group)
+
+
+def send_failure(message: str, src: int, group: Any, device: torch.device) -> None:
+    """Tell the peers waiting in :func:`receive_step` that the source rank failed."""
+    _header({"end": False, "error": message}, src, group, device)
+
+
+def receive_step(src: int, group: Any, device: torch.device) -> list[dict[str, Any]]:
+    """One step's batches from the source rank (:func:`send_step`), tensors on ``device``
+    (views of one buffer per dtype).  Raises ``RuntimeError`` with the source's message if
+    it failed to produce them."""
+    import torch.distributed as dist
+
+    header = _header(None, src, group, device)
+    if "error" in header:
+        raise RuntimeError(f"the decoding rank {src} failed to produce this step's batches: {header['error']}")
+    metas = header["step"]
+    batches: list[dict[str, Any]] = [{} for _ in metas]
+    for dtype, entries in _flat_layout(metas).items():
+        flat = torch.empty(entries[-1][1], dtype=getattr(torch, dtype), device=device)
+        if flat.numel():
+            dist.broadcast(flat, src=src, group=group)
+        for (b, offset, key, shape), (_, end, _, _) in zip(entries[:-1], entries[1:]):
+            batches[b][key] = flat[offset:end].view(shape)
+    for batch, ids in zip(batches, header["sample_ids"]):
+        batch["sample_ids"] = ids
+    return batches

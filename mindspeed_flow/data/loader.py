@@ -4,8 +4,16 @@ Pipeline: :class:`.stream.RankStream` (this rank's shard, decoded in worker proc
 torchdata's ``StatefulDataLoader``) -> the overlong policy (:mod:`.overlong`) ->
 ``BestFitPacker`` (open packs in a bounded window) -> ``dispatch`` (the packs of one step
 ordered by cost for the pipeline) -> :func:`.batch.collate_pack`.  With a ``group``, only
-the decoding rank reads; its TP/PP peers receive every batch by broadcast
-(:mod:`.broadcast`).
+the decoding rank reads; its TP/PP peers receive the batches from it (:mod:`.broadcast`):
+
+- in a training loop, one step at a time: :class:`.handoff.StepBatches` wraps the loader and
+  its ``handoff(n)`` moves a whole step's batches in one collective that every rank of the
+  group calls before the schedule's first point-to-point transfer; ``next()`` never
+  communicates, so a pipeline stage that asks for its batch only after a receive cannot
+  deadlock (PP >= 2);
+- iterating the loader itself (``for batch in loader`` on every peer) broadcasts each batch
+  as it is yielded: only for peers that ask for each batch at the same time (TP ranks, tests),
+  never for pipeline stages.
 
 Exact resume: ``state_dict()`` holds the ``StatefulDataLoader`` state (epoch, position of
 each worker, so samples decoded ahead in the workers are decoded again after a resume,
@@ -80,7 +88,8 @@ class FlowDataLoader:
             ``dispatch(costs, 1, pp_size)`` (heaviest first; zig-zag for PP > 1).
         group, src: with a process group of the DP replica's TP/PP peers, only global rank
             ``src`` (default: the group's lowest rank) reads and decodes; the others receive
-            every batch by broadcast, tensors on ``device``.
+            the batches from it, tensors on ``device`` (see the module docstring: per step
+            through :class:`.handoff.StepBatches`, or per batch when iterated directly).
         image_root: directory that image paths are relative to (default: each shard's).
         min_pixels, max_pixels: dynamic-resolution bounds (default: the processor's if it
             has them, else 3136 and 262144).
@@ -151,6 +160,8 @@ class FlowDataLoader:
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """One epoch; with a group every peer must iterate in lockstep (a broadcast per
+        batch): a pipeline uses :class:`.handoff.StepBatches` instead."""
         if not self.decoding:
             yield from broadcast.receive_epoch(self.src, self.group, self.device)
             return
@@ -160,6 +171,14 @@ class FlowDataLoader:
             yield batch
         if self.group is not None:
             broadcast.send_end(self.src, self.group, self.device)
+
+    def decoded_epoch(self) -> Iterator[dict[str, Any]]:
+        """The decoding rank's epoch (or the rest of it) without sending anything to the
+        group: what :class:`.handoff.StepBatches` hands off step by step."""
+        if not self.decoding:
+            raise RuntimeError(f"rank is not the decoding rank of its group (source rank {self.src}): "
+                               "it receives its batches and decodes none")
+        return self._epoch()
 
     def _epoch(self) -> Iterator[dict[str, Any]]:
         if not self._drained:
