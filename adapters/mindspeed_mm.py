@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from mindspeed_flow.adapters.megatron_checkpoint import attach_conv_layout_checkpointing
 from mindspeed_flow.attention.patch_embed import replace_conv
 from mindspeed_flow.attention.segments import lengths, offsets
 
@@ -168,13 +167,16 @@ def mrope_on_packed(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
 
 def swap_conv_after_init(attribute: str) -> Callable[..., Any]:
     """A wrapper of ``__init__`` that replaces ``self.<attribute>`` (a stride == kernel
-    conv) by :class:`~mindspeed_flow.attention.patch_embed.PatchEmbedMatmul`, whose weight
-    Megatron's distributed checkpoints then save and load in the conv layout."""
+    conv) by :class:`~mindspeed_flow.attention.patch_embed.PatchEmbedMatmul`.
+
+    The replacement keeps the conv's parameters in the conv's shape, at the same place in
+    the module tree (same names, same registration order), so Megatron's checkpoints
+    (``torch`` and ``torch_dist``, model and optimizer, distributed optimizer's flat
+    buffers included) are the same with and without the flag: nothing here touches them."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         replace_conv(instance, attribute)
-        attach_conv_layout_checkpointing(instance, attribute)
         return result
 
     wrapper.__name__ = f"swap_{attribute}_for_matmul"

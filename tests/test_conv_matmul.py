@@ -1,5 +1,7 @@
-"""PatchEmbedMatmul equals the convolution it replaces; state dicts convert both ways; the
-conversion CLI; the ``conv_matmul`` wrapper on a stand-in of MindSpeed-MM's PatchEmbed.
+"""PatchEmbedMatmul equals the convolution it replaces and keeps its parameters' shapes
+(state dict and optimizer state are the conv's); the flat layout of earlier versions still
+loads; the conversion CLI (model and optimizer state); the ``conv_matmul`` wrapper on a
+stand-in of MindSpeed-MM's PatchEmbed.
 
 Tolerances, stated plainly.  The issue asks "fp32 1e-6".  Read as "the fp32 matmul is
 within 1e-6 of the convolution", it is held against the *exact* convolution (computed in
@@ -76,10 +78,10 @@ def test_forward_and_backward_equal_the_conv(make_conv, shape):
     fn = F.conv3d if isinstance(conv, nn.Conv3d) else F.conv2d
     fn(x64, w64, b64, stride=conv.stride).backward(grad.double())
     assert max_rel(x_mm.grad, x64.grad) < 1e-6
-    assert max_rel(matmul.weight.grad, w64.grad.reshape(w64.shape[0], -1)) < 1e-6
+    assert matmul.weight.grad.shape == conv.weight.shape  # the conv's layout, gradient too
+    assert max_rel(matmul.weight.grad, w64.grad) < 1e-6
     torch.testing.assert_close(x_mm.grad, x_conv.grad, atol=1e-5, rtol=0)
-    torch.testing.assert_close(matmul.weight.grad, conv.weight.grad.reshape(conv.out_channels, -1),
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(matmul.weight.grad, conv.weight.grad, atol=1e-4, rtol=1e-5)
     if conv.bias is not None:
         assert max_rel(matmul.bias.grad, b64.grad) < 1e-6
         torch.testing.assert_close(matmul.bias.grad, conv.bias.grad, atol=1e-4, rtol=1e-5)
@@ -88,6 +90,7 @@ def test_forward_and_backward_equal_the_conv(make_conv, shape):
 def test_unbatched_input_and_round_trip_to_conv():
     conv = nn.Conv2d(3, 8, 4, stride=4)
     matmul = PatchEmbedMatmul.from_conv(conv)
+    assert matmul.weight.shape == conv.weight.shape
     x = torch.randn(3, 16, 12)
     torch.testing.assert_close(matmul(x), conv(x), atol=1e-6, rtol=0)
     back = matmul.to_conv()
@@ -140,14 +143,80 @@ def test_state_dict_conversion_is_exact_both_ways():
         matmul_to_conv_state(flat, [key], (3, 14, 14))
 
 
-def test_patched_module_loads_upstream_and_own_checkpoints():
+@pytest.mark.parametrize("bias", [False, True], ids=["qwen2vl", "qwen3vl-bias"])
+def test_state_and_optimizer_state_are_the_convs(bias):
+    """Issue 19, defect 3: the patched module's state dict is the conv's (keys, shapes,
+    values), so checkpoints load both ways with ``strict=True``; Adam's moments have the
+    same shapes, so a saved optimizer state resumes on either side."""
+    torch.manual_seed(0)
+    conv = nn.Conv3d(3, 16, (2, 14, 14), stride=(2, 14, 14), bias=bias)
+    module = PatchEmbedMatmul.from_conv(conv)
+    theirs, ours = conv.state_dict(), module.state_dict()
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert ours["weight"].shape == (16, 3, 2, 14, 14)
+
+    fresh = PatchEmbedMatmul(3, 16, (2, 14, 14), bias=bias)
+    fresh.load_state_dict(theirs, strict=True)        # upstream checkpoint, flag on
+    back = nn.Conv3d(3, 16, (2, 14, 14), stride=(2, 14, 14), bias=bias)
+    back.load_state_dict(module.state_dict(), strict=True)  # flag-on checkpoint, flag off
+    assert torch.equal(fresh.weight, conv.weight) and torch.equal(back.weight, conv.weight)
+
+    x = torch.randn(6, 3, 2, 14, 14)
+    states = []
+    for m in (conv, module):
+        optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
+        m(x).square().mean().backward()
+        optimizer.step()
+        states.append(optimizer.state_dict())
+    assert states[0]["param_groups"] == states[1]["param_groups"]
+    for index, state in states[0]["state"].items():
+        assert {k: tuple(v.shape) for k, v in state.items()} == \
+            {k: tuple(v.shape) for k, v in states[1]["state"][index].items()}
+    # an upstream optimizer state steps the patched module (the moments broadcast)
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+    optimizer.load_state_dict(states[0])
+    module(x).square().mean().backward()
+    optimizer.step()
+
+
+def test_the_matmul_weight_is_a_view_of_the_parameter():
+    module = PatchEmbedMatmul.from_conv(nn.Conv2d(3, 8, 4, stride=4))
+    flat = module.matmul_weight()
+    assert flat.shape == (8, 48) and flat.data_ptr() == module.weight.data_ptr()
+    assert list(dict(module.named_parameters())) == ["weight", "bias"]  # the conv's order
+
+
+def test_parameter_attributes_stay_with_the_parameter():
+    """What a framework set on the conv's parameters before the swap (Megatron marks
+    parameters with attributes) is still on the replacement's."""
+    conv = nn.Conv3d(3, 8, (2, 14, 14), stride=(2, 14, 14))
+    conv.weight.sequence_parallel = True
+    conv.bias.requires_grad_(False)
+    module = PatchEmbedMatmul.from_conv(conv)
+    assert module.weight.sequence_parallel is True
+    assert module.weight.requires_grad and not module.bias.requires_grad
+    assert module.weight.data_ptr() != conv.weight.data_ptr()  # no shared storage
+
+
+def test_flat_layout_of_earlier_versions_loads_with_a_warning(caplog):
+    """A state dict saved by an earlier mindspeed-flow (weight ``[E, C*prod(k)]``) loads,
+    and the warning says what to do about the optimizer state saved beside it."""
+    torch.manual_seed(0)
     conv = nn.Conv3d(3, 16, (2, 14, 14), stride=(2, 14, 14), bias=False)
-    module = PatchEmbedMatmul(3, 16, (2, 14, 14), bias=False)
-    module.load_state_dict(conv.state_dict())  # conv layout
-    assert torch.equal(module.weight, conv.weight.reshape(16, -1))
-    again = PatchEmbedMatmul(3, 16, (2, 14, 14), bias=False)
-    again.load_state_dict(module.state_dict())  # matmul layout
-    assert torch.equal(again.weight, module.weight)
+    old = {"proj.weight": conv.weight.detach().reshape(16, -1).clone()}
+    parent = nn.Module()
+    parent.proj = PatchEmbedMatmul(3, 16, (2, 14, 14), bias=False)
+    with caplog.at_level("WARNING", logger="mindspeed_flow.attention.patch_embed"):
+        parent.load_state_dict(old, strict=True)
+    assert torch.equal(parent.proj.weight, conv.weight)
+    message = caplog.text
+    assert "proj.weight [16, 1176]" in message and "[16, 3, 2, 14, 14]" in message
+    assert "convert-patch-embed" in message and "--in-and-kernel 3,2,14,14" in message
+    assert "--no-load-optim" in message
+    caplog.clear()
+    parent.load_state_dict(parent.state_dict(), strict=True)  # the current layout: no warning
+    assert caplog.text == ""
 
 
 class StandInPatchEmbed(nn.Module):
@@ -300,3 +369,78 @@ def test_cli_wrong_in_and_kernel_is_a_clean_error(tmp_path, capsys, in_and_kerne
     printed = capsys.readouterr().out
     assert "image_encoder.encoder.patch_embed.proj.weight" in printed and message in printed
     assert not out.exists()
+
+
+class EarlierVersionPatchEmbed(nn.Module):
+    """What ``--flow-conv-matmul`` trained before the weight kept the conv's shape: the same
+    function with the weight stored flat, ``proj.weight`` ``[E, C*prod(kernel)]``."""
+
+    def __init__(self, embed_dim: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.randn(embed_dim, 3 * 2 * 14 * 14) * 0.02)
+
+    def forward(self, pixels):
+        return F.linear(pixels.reshape(-1, 3 * 2 * 14 * 14), self.proj.weight)
+
+
+def _adam_step(model, optimizer, seed: int) -> None:
+    pixels = torch.randn(6, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+    optimizer.zero_grad()
+    model(pixels).square().mean().backward()
+    optimizer.step()
+
+
+def test_cli_converts_an_earlier_versions_checkpoint_optimizer_state_included(tmp_path, capsys):
+    """An earlier version's ``--ckpt-format torch`` file (flat weight, Adam's moments flat,
+    as Megatron's non-distributed optimizer saves them) becomes a checkpoint that upstream's
+    model and today's patched model load, and whose optimizer state resumes: the resumed
+    step equals the step of the old run that continued."""
+    torch.manual_seed(3)
+    old = EarlierVersionPatchEmbed()
+    old_optimizer = torch.optim.Adam(old.parameters(), lr=1e-2)
+    for step in range(2):
+        _adam_step(old, old_optimizer, step)
+    src, out = tmp_path / "model_optim_rng.pt", tmp_path / "converted.pt"
+    torch.save({"iteration": 2, "model": {f"image_encoder.encoder.patch_embed.{k}": v
+                                          for k, v in old.state_dict().items()},
+                "optimizer": {"optimizer": old_optimizer.state_dict(),
+                              "fp32_from_fp16_params": [[old.proj.weight.detach().clone()]]}}, src)
+    assert run_cli("convert-patch-embed", str(src), str(out), "--to", "conv", "--in-and-kernel", "3,2,14,14") == 0
+    assert "optimizer state: 3 tensor(s)" in capsys.readouterr().out  # exp_avg, exp_avg_sq, main copy
+    converted = torch.load(out)
+    state = converted["optimizer"]["optimizer"]["state"][0]
+    assert state["exp_avg"].shape == state["exp_avg_sq"].shape == (16, 3, 2, 14, 14)
+    assert converted["optimizer"]["fp32_from_fp16_params"][0][0].shape == (16, 3, 2, 14, 14)
+    assert torch.equal(state["exp_avg"].flatten(), old_optimizer.state_dict()["state"][0]["exp_avg"].flatten())
+
+    weights = {k.removeprefix("image_encoder.encoder.patch_embed."): v for k, v in converted["model"].items()}
+    upstream = StandInPatchEmbed(embed_dim=16)
+    upstream.load_state_dict(weights, strict=True)
+    patched = StandInPatchEmbed(embed_dim=16)
+    patched.proj = PatchEmbedMatmul.from_conv(patched.proj)
+    patched.load_state_dict(weights, strict=True)
+    _adam_step(old, old_optimizer, 2)
+    for model in (upstream, patched):
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        optimizer.load_state_dict(torch.load(out)["optimizer"]["optimizer"])  # Adam steps it in place
+        _adam_step(model, optimizer, 2)
+        torch.testing.assert_close(model.proj.weight.detach().reshape(16, -1), old.proj.weight.detach(),
+                                   atol=1e-6, rtol=0)
+
+
+def test_cli_leaves_an_ambiguous_optimizer_state_and_says_so(tmp_path, capsys):
+    """Optimizer states are recognised by shape: another weight of the converted weight's
+    old shape makes them ambiguous, and the tool says so instead of guessing."""
+    flat = torch.randn(16, 1176)
+    src, out = tmp_path / "ckpt.pt", tmp_path / "o.pt"
+    torch.save({"model": {"vit.patch_embed.proj.weight": flat, "projector.weight": torch.randn(16, 1176)},
+                "optimizer": {"optimizer": {"state": {0: {"exp_avg": torch.zeros(16, 1176)}},
+                                            "param_groups": [{"params": [0, 1]}]}}}, src)
+    assert run_cli("convert-patch-embed", str(src), str(out), "--to", "conv", "--in-and-kernel", "3,2,14,14") == 0
+    printed = capsys.readouterr().out
+    assert "optimizer state left as it is" in printed and "projector.weight: (16, 1176)" in printed
+    assert "--no-load-optim" in printed
+    converted = torch.load(out)
+    assert converted["model"]["vit.patch_embed.proj.weight"].shape == (16, 3, 2, 14, 14)
+    assert converted["optimizer"]["optimizer"]["state"][0]["exp_avg"].shape == (16, 1176)

@@ -1,8 +1,9 @@
-"""``--ckpt-format torch_dist`` under ``conv_matmul``: megatron-core's real
-``dist_checkpointing`` saves and loads the patch embedding in the conv layout, both ways.
+"""Megatron checkpoints under ``conv_matmul``: megatron-core's real ``dist_checkpointing``
+(``--ckpt-format torch_dist``) and what its ``--ckpt-format torch`` path does (the model's
+``state_dict_for_save_checkpoint`` and the optimizer's ``state_dict`` in one ``torch.save``
+file, ``load_state_dict`` on both) cross the flag both ways, Adam's moments included.
 
-Two gloo ranks (data parallel 2, so the replica ids of replicated tensors matter) run
-megatron-core's ``dist_checkpointing.save`` / ``load`` on CPU on:
+Two gloo ranks (data parallel 2, so the replica ids of replicated tensors matter) run, on CPU:
 
 * Megatron's own ``CLIPViTModel`` (a ``MegatronModule`` whose ``conv1`` is a stride == kernel
   ``Conv2d``), built through the plugin's real ``__init__`` wrapper;
@@ -11,17 +12,19 @@ megatron-core's ``dist_checkpointing.save`` / ``load`` on CPU on:
   Megatron takes a plain module's ``state_dict``, not a sharded one), inside a
   ``MegatronModule``;
 
-and, for the Qwen-shaped model, Megatron's DDP with its fp32 Adam optimizer, whose moments
-are saved through the same factory (in the conv layout on disk).  Megatron's *distributed*
-optimizer cannot run here (it refuses non-CUDA parameters), so its flat-slice branch of the
-factory is not exercised.
+and, for the Qwen-shaped model, Megatron's DDP with its fp32 Adam optimizer.  Megatron's
+*distributed* and bf16 optimizers cannot run here (megatron-core refuses non-CUDA
+parameters); ``tests/upstream/test_real_job_ckpt.py`` runs them in the real job.
 
-Checked: an upstream (conv) checkpoint loads into the patched model, a patched checkpoint
-loads into the upstream model, every tensor equal (the conv weight as the reshaped linear
-weight); a training run saved in one layout and resumed in the other takes the same next
-step as the run that continued (which it would not if Adam's moments were lost).  Before
-the fix the first load failed with the shape mismatch ``[E, 3, 2, 14, 14]`` vs ``[E, 1176]``
-reported in issue 8.
+Checked: with and without the flag the model's state dict, the optimizer's state and both
+sharded state dicts have the same keys and shapes (``PatchEmbedMatmul`` keeps the conv's
+``[E, C, *kernel]`` weight); an upstream checkpoint loads into the patched model and the other
+way round, every tensor equal; a training run saved on one side and resumed on the other
+takes the same next step as the run that continued (which it would not if Adam's moments
+were lost), in both formats.  Before the weight kept the conv's shape, ``torch`` failed both
+ways (issue 19, defect 3: ``size mismatch for patch_embed.proj.weight: [16, 96] vs
+[16, 3, 2, 4, 4]``, and Adam's upstream moments against the flat gradient); ``torch_dist``
+needed a ``ShardedTensorFactory`` per weight (issue 8).
 """
 
 from __future__ import annotations
@@ -184,27 +187,29 @@ def model_round_trip_worker(rank: int, world_size: int, root: str) -> dict:
 
 
 def assert_same_model(conv_side: dict, matmul_side: dict, key: str, atol: float = 0.0) -> None:
+    """Same keys, same shapes (the patch embedding's weight ``key`` too: the conv's), and
+    values within ``atol``."""
     assert conv_side.keys() == matmul_side.keys()
+    assert conv_side[key].dim() > 2
     for name, value in conv_side.items():
         other = matmul_side[name]
-        if name == key:
-            assert value.dim() > 2 and other.dim() == 2
-            other = other.reshape(value.shape)
         assert other.shape == value.shape, name
         assert float((other - value).abs().max()) <= atol, f"{name}: {float((other - value).abs().max())}"
 
 
 def checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
-    """Both experiments in one pair of processes (starting Megatron costs more than them)."""
+    """Every experiment in one pair of processes (starting Megatron costs more than them)."""
     return {"models": model_round_trip_worker(rank, world_size, root),
-            "adam": optimizer_resume_worker(rank, world_size, root)}
+            "adam": optimizer_resume_worker(rank, world_size, root),
+            "torch_format": torch_format_resume_worker(rank, world_size, root),
+            "layouts": state_layout_worker(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory) -> list:
     root = tmp_path_factory.mktemp("dist_checkpoints")
     for name in [f"{kind}_{side}" for kind in BUILDERS for side in ("from_upstream", "from_patched")] + [
-            "optim_patched", "optim_upstream"]:
+            "optim_patched", "optim_upstream", "torch_patched", "torch_upstream"]:
         (root / name).mkdir()
     return launch_ranks(checkpoint_worker, root, str(root))
 
@@ -306,3 +311,104 @@ def test_torch_dist_resume_with_adam_state_across_layouts(per_rank):
         assert_same_model(continued, resumed, key, atol=RESUME_ATOL)
         with pytest.raises(AssertionError, match=key):
             assert_same_model(continued, fresh, key, atol=RESUME_ATOL)
+
+
+def torch_format_resume_worker(rank: int, world_size: int, root: str) -> dict:
+    """``--ckpt-format torch``: what Megatron's ``save_checkpoint`` writes for this model
+    (``state_dict_for_save_checkpoint()`` and ``optimizer.state_dict()``, one ``torch.save``
+    file written by rank 0) and what ``load_checkpoint`` does with it
+    (``load_state_dict(strict=True)`` on the model, ``optimizer.load_state_dict``), saved
+    with and without the flag and loaded on the other side; then one more step on the run
+    that continued, on the resumed one, and on one resumed without the optimizer state."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_cpu_harness import megatron_parallel
+
+    results = {}
+    with megatron_parallel():
+        for saver_patched in (True, False):
+            path = f"{root}/torch_{'patched' if saver_patched else 'upstream'}/model_optim_rng.pt"
+            ddp, optimizer = _trainer(saver_patched, 5)
+            for step in range(2):
+                _train_step(ddp, optimizer, step)
+            if rank == 0:
+                torch.save({"model": ddp.module.state_dict_for_save_checkpoint(),
+                            "optimizer": optimizer.state_dict()}, path)
+            dist.barrier()
+            loaded = torch.load(path, weights_only=False)
+            resumed, resumed_optimizer = _trainer(not saver_patched, 6)
+            resumed.module.load_state_dict(loaded["model"], strict=True)
+            resumed_optimizer.load_state_dict(loaded["optimizer"])
+            fresh, fresh_optimizer = _trainer(not saver_patched, 7)
+            fresh.module.load_state_dict(loaded["model"], strict=True)
+            for model, model_optimizer in ((ddp, optimizer), (resumed, resumed_optimizer), (fresh, fresh_optimizer)):
+                _train_step(model, model_optimizer, 2)
+            results[saver_patched] = tuple(_plain_state(m.module) for m in (ddp, resumed, fresh))
+            dist.barrier()
+    return results
+
+
+def test_torch_format_resume_with_adam_state_across_the_flag(per_rank):
+    """Issue 19, defect 3: before the parameter kept the conv's shape, the patched model's
+    checkpoint did not load upstream (``size mismatch ... [16, 96] vs [16, 3, 2, 4, 4]``)
+    and Adam's upstream moments broke the patched step (shape ``[16, 3, 2, 4, 4]`` against
+    the ``[16, 96]`` gradient)."""
+    key = "patch_embed.proj.weight"
+    for rank_results in per_rank:
+        for saver_patched in (True, False):
+            continued, resumed, fresh = rank_results["torch_format"][saver_patched]
+            assert continued.keys() == resumed.keys()
+            for name, value in continued.items():
+                assert resumed[name].shape == value.shape, name
+                assert float((resumed[name] - value).abs().max()) <= RESUME_ATOL, name
+            assert float((fresh[key] - continued[key]).abs().max()) > RESUME_ATOL
+
+
+def _layout(state: dict) -> dict:
+    """Key -> (type name, shape) of a (sharded) state dict, nested dicts flattened."""
+    import torch
+
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, dict):
+            out.update({f"{name}.{k}": v for k, v in _layout(value).items()})
+        elif isinstance(value, torch.Tensor):
+            out[name] = ("Tensor", tuple(value.shape))
+        elif hasattr(value, "global_shape"):
+            out[name] = (type(value).__name__, value.key, tuple(value.global_shape), value.flattened_range)
+        elif hasattr(value, "key"):  # a factory: what it would save is not its input
+            out[name] = (type(value).__name__, value.key)
+    return out
+
+
+def state_layout_worker(rank: int, world_size: int) -> dict:
+    """What each side would write, flag on and off, after one optimizer step: the plain
+    state dict (``--ckpt-format torch``), the optimizer's ``state_dict`` and the model's
+    and optimizer's sharded state dicts (``torch_dist``)."""
+    from megatron_cpu_harness import megatron_parallel
+
+    out = {}
+    with megatron_parallel():
+        for patched in (False, True):
+            ddp, optimizer = _trainer(patched, 8)
+            _train_step(ddp, optimizer, 0)
+            model = ddp.module.sharded_state_dict()
+            optim = optimizer.state_dict()
+            out[patched] = {
+                "state_dict": _layout(ddp.module.state_dict_for_save_checkpoint()),
+                "optimizer": {i: _layout(s) for i, s in optim["state"].items()},
+                "sharded": _layout(model),
+                "sharded_optimizer": _layout(optimizer.sharded_state_dict(model)["state"]),
+            }
+    return out
+
+
+def test_checkpoints_are_the_same_with_and_without_the_flag(per_rank):
+    """Nothing to convert: every saved key has the same shape, and the same kind of entry,
+    flag on or off, model and optimizer, ``torch`` and ``torch_dist``."""
+    for rank_results in per_rank:
+        upstream, patched = rank_results["layouts"][False], rank_results["layouts"][True]
+        assert upstream["state_dict"]["patch_embed.proj.weight"] == ("Tensor", (HIDDEN, 3, 2, 4, 4))
+        for part in ("state_dict", "optimizer", "sharded", "sharded_optimizer"):
+            assert patched[part] == upstream[part], part

@@ -1,19 +1,26 @@
 """``mindspeed-flow convert-patch-embed``: patch-embedding weights of a saved checkpoint,
-conv layout <-> matmul layout.
+conv layout <-> flat (matmul) layout.
 
-A model trained with ``--flow-conv-matmul`` saves its patch embedding as a linear weight
-``[E, C*prod(kernel)]``; upstream MindSpeed-MM expects the conv weight ``[E, C, *kernel]``.
-The patched model loads either layout, so only the way back needs this tool; ``--to
-matmul`` exists for checkpoints consumed by other matmul-layout code.
+A model trained with ``--flow-conv-matmul`` saves its patch embedding in the conv layout
+``[E, C, *kernel]``, as upstream MindSpeed-MM does: its checkpoints need no conversion.
+Earlier versions of mindspeed-flow saved the weight flat, ``[E, C*prod(kernel)]``; ``--to
+conv`` turns such a ``--ckpt-format torch`` file into the layout that upstream and this
+version load, ``--to matmul`` goes the other way (for an earlier mindspeed-flow, or other
+flat-layout code).
 
 A conv weight does not record its stride or padding, so ``--to matmul`` flattens only
 weights known to be patch embeddings (``patch_embed.proj.weight``) or named by ``--key``,
 and names every other ``conv1.weight`` it leaves as it is.
 
 Handles ``torch.save`` files (Megatron's ``--ckpt-format torch``: ``model``, ``model0``,
-... dicts, or a bare state dict), walking nested dicts.  Optimizer state is left as it is:
-the distributed optimizer's flat buffers do not depend on the layout (same numel, same
-element order); a non-distributed optimizer state must be dropped (``--no-load-optim``).
+... dicts, or a bare state dict), walking nested dicts.  The optimizer state in the same file
+(the ``optimizer`` entry: Adam's moments and the fp32 main copies of a non-distributed
+optimizer, which have their parameter's shape) is converted too: every tensor there whose
+shape is a converted weight's old shape, provided no other weight of the model has that
+shape (else the optimizer state is left as it is, named, and ``--no-load-optim`` is the way
+to resume).  The distributed optimizer's ``distrib_optim.pt`` holds flat buffers that do not
+depend on the layout: nothing to convert.  ``torch_dist`` checkpoints of every version hold
+the conv layout.
 """
 
 from __future__ import annotations
@@ -99,7 +106,11 @@ def convert_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         return 2
     converted: list[str] = []
     refused: list[str] = []
-    for state in _state_dicts(checkpoint):
+    reshaped: dict[tuple[int, ...], tuple[int, ...]] = {}  # old shape -> new shape
+    # the model's weights: everything but the optimizer entry, whose dicts are walked below
+    model_part = [v for k, v in checkpoint.items() if not _is_optimizer_entry(k)] \
+        if isinstance(checkpoint, dict) and any(_is_optimizer_entry(k) for k in checkpoint) else checkpoint
+    for state in _state_dicts(model_part):
         candidates = [k for k in state if _selected(k, args.key) and _needs(state[k], args.to)]
         keys = [k for k in candidates if args.to == "conv" or args.key or k.endswith(PATCH_EMBED_SUFFIXES)]
         refused += [f"{k}: {tuple(state[k].shape)}" for k in candidates if k not in keys]
@@ -114,6 +125,7 @@ def convert_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             print(f"convert-patch-embed: {args.input}: {err.args[0]}")
             return 2
         for key in keys:
+            reshaped[tuple(state[key].shape)] = tuple(new[key].shape)
             state[key] = new[key]
             converted.append(f"{key}: {tuple(new[key].shape)}")
     if refused:
@@ -128,11 +140,56 @@ def convert_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         print(f"convert-patch-embed: no patch-embedding weight to convert to {args.to} layout in "
               f"{args.input} (already converted, or pass --key)")
         return 1
+    optimizer_note = _convert_optimizer_state(checkpoint, model_part, reshaped)
     torch.save(checkpoint, args.output)
     print(f"converted {len(converted)} weight(s) to {args.to} layout -> {args.output}")
     for line in converted:
         print(f"  {line}")
+    if optimizer_note:
+        print(optimizer_note)
     return 0
+
+
+def _is_optimizer_entry(key: Any) -> bool:
+    """Megatron's ``torch`` checkpoint keeps the optimizer under ``optimizer`` (its
+    ``state``, ``param_groups`` and ``fp32_from_fp16_params``)."""
+    return isinstance(key, str) and key.startswith("optimizer")
+
+
+def _convert_optimizer_state(checkpoint: Any, model_part: Any,
+                             reshaped: dict[tuple[int, ...], tuple[int, ...]]) -> str:
+    """Reshape the optimizer state of the converted weights in place; returns what was
+    done, in words ("" when the checkpoint has no optimizer entry)."""
+    entries = [k for k in checkpoint if _is_optimizer_entry(k)] if isinstance(checkpoint, dict) else []
+    if not entries or not reshaped:
+        return ""
+    # An optimizer state is recognised by its shape: sound only if no weight left as it is
+    # has the shape a converted one had.
+    clashes = sorted({f"{k}: {tuple(v.shape)}" for state in _state_dicts(model_part) for k, v in state.items()
+                      if isinstance(v, torch.Tensor) and tuple(v.shape) in reshaped})
+    if clashes:
+        return ("optimizer state left as it is: other weights have the shape of a converted one, so "
+                "their optimizer states cannot be told apart (" + "; ".join(clashes) + "); "
+                "resume with --no-load-optim")
+    count = 0
+
+    def convert(value: Any) -> Any:
+        nonlocal count
+        if isinstance(value, torch.Tensor) and tuple(value.shape) in reshaped:
+            count += 1
+            return value.reshape(reshaped[tuple(value.shape)]).clone()
+        if isinstance(value, dict):
+            for k in value:
+                value[k] = convert(value[k])
+        elif isinstance(value, list):
+            value[:] = [convert(v) for v in value]
+        elif type(value) is tuple:
+            return tuple(convert(v) for v in value)
+        return value
+
+    for key in entries:
+        checkpoint[key] = convert(checkpoint[key])
+    return f"  optimizer state: {count} tensor(s) of the converted weight(s) reshaped alike"
 
 
 def _selected(key: Any, keys: list[str] | None) -> bool:

@@ -7,13 +7,21 @@ Conv3d of Qwen2-VL's ``PatchEmbed`` this way because the convolution was slow on
 hardware; the matmul is also what every accelerator runs fastest.
 
 ``PatchEmbedMatmul`` is a drop-in for the convolution (same input and output shapes, same
-numbers), stores the kernel as a linear weight, and loads checkpoints in either layout.
-``conv_to_matmul_state`` / ``matmul_to_conv_state`` convert saved state dicts both ways so
-that checkpoints written by a patched model stay loadable by upstream.
+numbers) and keeps the convolution's parameters as they are: ``weight`` has the conv's
+shape ``[E, C, *kernel]`` and is viewed as ``[E, C*prod(kernel)]`` (no copy) in forward.
+Its state dict, the optimizer state of its parameters and their sharded (``torch_dist``)
+entries are therefore the convolution's, so checkpoints cross ``--flow-conv-matmul`` both
+ways with nothing to convert.
+
+Earlier versions of mindspeed-flow stored the weight flat, ``[E, C*prod(kernel)]``;
+such a state dict still loads (reshaped, with a warning that says how to convert the rest of
+the checkpoint).  ``conv_to_matmul_state`` / ``matmul_to_conv_state`` convert saved state
+dicts between the two layouts (``mindspeed-flow convert-patch-embed``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Iterable, Mapping, Optional
 
@@ -22,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 _CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+log = logging.getLogger(__name__)
 
 
 class ConvNotReplaceable(ValueError):
@@ -45,10 +55,10 @@ def replaceability_problems(conv: nn.Module) -> list[str]:
 
 
 class PatchEmbedMatmul(nn.Module):
-    """A stride == kernel convolution computed as ``patches @ weight.T + bias``.
+    """A stride == kernel convolution computed as ``patches @ weight.view(E, -1).T + bias``.
 
     Attributes:
-        weight: ``[out_channels, in_channels * prod(kernel_size)]``.
+        weight: ``[out_channels, in_channels, *kernel_size]``, the convolution's own layout.
         bias: ``[out_channels]`` or None.
     """
 
@@ -67,14 +77,24 @@ class PatchEmbedMatmul(nn.Module):
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.kernel_size = tuple(int(k) for k in kernel_size)
-        features = in_channels * math.prod(self.kernel_size)
-        self.weight = nn.Parameter(torch.empty(out_channels, features, device=device, dtype=dtype))
+        self.features = in_channels * math.prod(self.kernel_size)
+        self.weight = nn.Parameter(torch.empty(self.conv_weight_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_channels, device=device, dtype=dtype)) if bias else None
-        self._register_load_state_dict_pre_hook(self._accept_conv_layout)
+        self._register_load_state_dict_pre_hook(self._accept_flat_layout)
 
     @property
     def conv_weight_shape(self) -> tuple[int, ...]:
+        """``weight``'s shape: ``(out_channels, in_channels, *kernel_size)``."""
         return (self.out_channels, self.in_channels, *self.kernel_size)
+
+    @property
+    def flat_weight_shape(self) -> tuple[int, int]:
+        """The matmul's view of ``weight`` (and the stored layout before this version)."""
+        return (self.out_channels, self.features)
+
+    def matmul_weight(self) -> torch.Tensor:
+        """``weight`` as ``[E, C*prod(kernel)]``: a view, so gradients reach ``weight``."""
+        return self.weight.reshape(self.flat_weight_shape)
 
     @classmethod
     def from_conv(cls, conv: nn.Module) -> "PatchEmbedMatmul":
@@ -89,12 +109,16 @@ class PatchEmbedMatmul(nn.Module):
             device=conv.weight.device, dtype=conv.weight.dtype,
         )
         with torch.no_grad():
-            module.weight.copy_(conv.weight.reshape(conv.out_channels, -1))
+            module.weight.copy_(conv.weight)
             if conv.bias is not None:
                 module.bias.copy_(conv.bias)
-        module.weight.requires_grad_(conv.weight.requires_grad)
-        if conv.bias is not None:
-            module.bias.requires_grad_(conv.bias.requires_grad)
+        for ours, theirs in ((module.weight, conv.weight), (module.bias, conv.bias)):
+            if theirs is not None:
+                ours.requires_grad_(theirs.requires_grad)
+                # attributes a framework set on the conv's parameters (Megatron's
+                # tensor-parallel markers, ...) stay with the parameter
+                for name, value in vars(theirs).items():
+                    setattr(ours, name, value)
         module.train(conv.training)
         return module
 
@@ -105,7 +129,7 @@ class PatchEmbedMatmul(nn.Module):
             bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype,
         )
         with torch.no_grad():
-            conv.weight.copy_(self.weight.reshape(self.conv_weight_shape))
+            conv.weight.copy_(self.weight)
             if self.bias is not None:
                 conv.bias.copy_(self.bias)
         return conv
@@ -122,12 +146,13 @@ class PatchEmbedMatmul(nn.Module):
             raise ValueError(
                 f"expected [batch, {self.in_channels}, {n} spatial dims], got {tuple(x.shape)}"
             )
+        weight = self.matmul_weight()
         grid = [s // k for s, k in zip(x.shape[2:], self.kernel_size)]
         batch = x.shape[0]
         if all(g == 1 for g in grid):
             # One patch per sample (Qwen2-VL feeds patches already unfolded): a plain view.
-            patches = x[(..., *(slice(0, k) for k in self.kernel_size))].reshape(batch, self.weight.shape[1])
-            out = F.linear(patches, self.weight, self.bias).view(batch, self.out_channels, *grid)
+            patches = x[(..., *(slice(0, k) for k in self.kernel_size))].reshape(batch, self.features)
+            out = F.linear(patches, weight, self.bias).view(batch, self.out_channels, *grid)
         else:
             x = x[(..., *(slice(0, g * k) for g, k in zip(grid, self.kernel_size)))]
             split = [batch, self.in_channels]
@@ -136,17 +161,30 @@ class PatchEmbedMatmul(nn.Module):
             x = x.reshape(split)
             grid_axes = [2 + 2 * i for i in range(n)]
             kernel_axes = [3 + 2 * i for i in range(n)]
-            patches = x.permute(0, *grid_axes, 1, *kernel_axes).reshape(batch * math.prod(grid), self.weight.shape[1])
-            out = F.linear(patches, self.weight, self.bias).view(batch, *grid, self.out_channels)
+            patches = x.permute(0, *grid_axes, 1, *kernel_axes).reshape(batch * math.prod(grid), self.features)
+            out = F.linear(patches, weight, self.bias).view(batch, *grid, self.out_channels)
             out = out.permute(0, n + 1, *range(1, n + 1)).contiguous()
         return out.squeeze(0) if unbatched else out
 
-    def _accept_conv_layout(self, state_dict, prefix, *args) -> None:
-        """Let an upstream (conv-layout) checkpoint load into the patched model."""
+    def _accept_flat_layout(self, state_dict, prefix, *args) -> None:
+        """Let a state dict saved by an earlier mindspeed-flow (weight ``[E, C*prod(k)]``) load.
+
+        Only the model's entry can be fixed here; the optimizer's entries of that weight are
+        loaded by Megatron later, without a hook, so the warning says how to convert them."""
         key = prefix + "weight"
         weight = state_dict.get(key)
-        if weight is not None and tuple(weight.shape) == self.conv_weight_shape:
-            state_dict[key] = weight.reshape(self.out_channels, -1)
+        if weight is None or tuple(weight.shape) != self.flat_weight_shape:
+            return
+        state_dict[key] = weight.reshape(self.conv_weight_shape)
+        log.warning(
+            "mindspeed-flow: %s %s is the flattened patch-embedding layout that earlier versions "
+            "of mindspeed-flow saved with --flow-conv-matmul; loaded as the convolution's %s, the "
+            "layout upstream and this version save. Optimizer state saved beside it (--ckpt-format torch "
+            "without --use-distributed-optimizer) still has the old shape and fails to load: "
+            "convert the checkpoint file once with `mindspeed-flow convert-patch-embed IN OUT "
+            "--to conv --in-and-kernel %s --trust-checkpoint` (model and optimizer state), or "
+            "resume with --no-load-optim", key, list(weight.shape), list(self.conv_weight_shape),
+            ",".join(str(d) for d in self.conv_weight_shape[1:]))
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "

@@ -104,8 +104,10 @@ def main() -> None:
         hidden, _, _ = model(pixels, grid)
         hidden.float().square().sum().backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    modules = {name: type(module).__name__ for name, module in model.named_modules() if name.endswith("patch_embed.proj")}
     torch.save({"output": hidden.detach().float().clone(), "grads": grads, "tokens": tokens,
-                "pack_square": recorder.seen, "patches": patch_statuses(), "saved": saved}, os.environ["MINDSPEED_FLOW_QWEN3VL_OUT"])
+                "pack_square": recorder.seen, "patches": patch_statuses(), "saved": saved,
+                "modules": modules}, os.environ["MINDSPEED_FLOW_QWEN3VL_OUT"])
 
 
 def patch_statuses() -> dict[str, str]:

@@ -2,7 +2,7 @@
 dense ``[1, S, S]`` block mask over all the images of a batch; with ``fused_attn`` it must
 not, and must compute the same thing (issue 8, defect 4).  With ``conv_matmul`` its real
 ``PatchEmbed`` must load and save Megatron ``torch_dist`` checkpoints in the conv layout
-(issue 8, defect 5).
+(issue 8, defect 5; since issue 19 the matmul keeps the conv's parameter shape).
 
 Two runs of ``qwen3vl_vit_driver.py`` on the pinned sources (MindSpeed's real adaptor,
 Megatron's ``initialize_megatron`` from the MindSpeed-MM tree, the ViT from MindSpeed-MM's
@@ -94,4 +94,6 @@ def test_qwen3vl_vit_builds_no_pack_mask_and_computes_the_same(runs, tmp_path):
     for name, grad in plain["grads"].items():
         other = ours["grads"][name]
         torch.testing.assert_close(other.reshape(grad.shape), grad, atol=TOL, rtol=0, msg=name)
-    assert ours["grads"][PATCH_EMBED].dim() == 2  # the matmul layout was really in use
+    # the matmul was really in use, on the conv's own parameter shape (issue 19, defect 3)
+    assert list(ours["modules"].values()) == ["PatchEmbedMatmul"] and list(plain["modules"].values()) == ["Conv3d"]
+    assert ours["grads"][PATCH_EMBED].shape == plain["grads"][PATCH_EMBED].shape
