@@ -6,11 +6,15 @@ Megatron's own, 1F1B or interleaved by the length of the model list, so numbers 
 change).  It keeps Megatron's contract around the schedule too: the model config's
 ``no_sync_func`` holds gradient reduction back until each chunk's last backward, and
 ``finalize_model_grads_func`` runs at the end, with the token count of 3-value losses.
+With several model chunks per rank (the interleaved schedule) the virtual pipeline rank is
+set to each chunk's index before its forward and backward passes, as Megatron does, and put
+back when the step ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -81,7 +85,12 @@ def flow_forward_backward(*, forward_step_func: Callable, data_iterator: Any, mo
     if len(visits) != len(models):
         raise ValueError(f"the schedule layout puts {len(visits)} chunks {visits} on pipeline rank {rank}, "
                          f"but the model list has {len(models)}")
-    bindings = {v: Binding(m, it) for v, m, it in zip(visits, models, iterators)}
+    # Megatron's interleaved schedule sets the virtual pipeline rank to the chunk's index before
+    # each of its forwards and backwards (Float16Module, is_pipeline_first/last_stage read it);
+    # MindSpeed-MM leaves it at the last chunk after building the data iterators.
+    enter = [None] * len(models) if len(models) == 1 else [
+        functools.partial(parallel_state.set_virtual_pipeline_model_parallel_rank, i) for i in range(len(models))]
+    bindings = {v: Binding(m, it, e) for v, m, it, e in zip(visits, models, iterators, enter)}
     key = tuple(ranks)
     executor = SETTINGS._executors.get(key)
     if executor is None:
@@ -89,10 +98,14 @@ def flow_forward_backward(*, forward_step_func: Callable, data_iterator: Any, mo
     config = get_model_config(models[0])
     loss = LossRules(config.calculate_per_token_loss, parallel_state.get_context_parallel_world_size(),
                      config.grad_scale_func)
-    with _grad_sync_held(config, forward_only) as release:
-        result = executor.run(plan, forward_step_func, bindings, forward_only=forward_only,
-                              collect_non_loss_data=collect_non_loss_data, loss=loss,
-                              before_last_backward=release)
+    virtual_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    try:
+        with _grad_sync_held(config, forward_only) as release:
+            result = executor.run(plan, forward_step_func, bindings, forward_only=forward_only,
+                                  collect_non_loss_data=collect_non_loss_data, loss=loss,
+                                  before_last_backward=release)
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(virtual_rank)
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
             models, result.total_num_tokens if config.calculate_per_token_loss else None)

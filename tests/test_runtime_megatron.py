@@ -55,11 +55,12 @@ def _forward_step(three_values=False, non_loss=False):
     return forward_step
 
 
-def _step(schedule, chunks, iterators, spec, forward_only=False, three_values=False, non_loss=False, **newer):
+def _step(schedule, chunks, iterators, spec, forward_only=False, three_values=False, non_loss=False,
+          forward_step=None, **newer):
     """One step; returns (loss data, {chunk.param name: grad})."""
     for c in chunks:
         c.zero_grad(set_to_none=True)
-    out = schedule(forward_step_func=_forward_step(three_values), data_iterator=iterators,
+    out = schedule(forward_step_func=forward_step or _forward_step(three_values), data_iterator=iterators,
                    model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=spec.num_microbatches,
                    seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size, forward_only=forward_only,
                    collect_non_loss_data=non_loss, **newer)
@@ -188,12 +189,29 @@ def _interleaved(world_size, chunks_per_rank=2):
 
     from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
 
+    from megatron.core import parallel_state
+
     spec = TinyGPTSpec(num_microbatches=4)
+    seen: list[tuple[str, int, int]] = []  # (F or B, chunk, virtual pipeline rank then)
+
+    def recording(data_iterator, model):
+        chunk = chunks.index(model)
+        seen.append(("F", chunk, parallel_state.get_virtual_pipeline_model_parallel_rank()))
+        output, loss_func = _forward_step()(data_iterator, model)
+        output.register_hook(lambda g: seen.append(("B", chunk, parallel_state.get_virtual_pipeline_model_parallel_rank())))
+        return output, loss_func
+
     with megatron_virtual_parallel(world_size, chunks_per_rank):
         chunks = build_interleaved_chunks(spec, chunks_per_rank)
-        runs = [_step(s, chunks, [iter(_batches(spec)) for _ in chunks], spec)
-                for s in (forward_backward_pipelining_with_interleaving, flow_forward_backward)]
-    return _diff(*runs)
+        runs, virtual = [], []
+        for s in (forward_backward_pipelining_with_interleaving, flow_forward_backward):
+            seen.clear()
+            # MindSpeed-MM leaves the virtual rank at the last chunk after building its data iterators
+            parallel_state.set_virtual_pipeline_model_parallel_rank(chunks_per_rank - 1)
+            runs.append(_step(s, chunks, [iter(_batches(spec)) for _ in chunks], spec, forward_step=recording))
+            virtual.append(sorted(set(seen)))
+        after = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    return {**_diff(*runs), "virtual": virtual, "restored": after == chunks_per_rank - 1}
 
 
 def _varlen_reference():
@@ -242,6 +260,17 @@ def test_1f1b_pp2_equals_megatron_bit_for_bit(pp2, case):
 
 def test_interleaved_pp2_equals_megatron_bit_for_bit(pp2):
     _exact(pp2, "interleaved")
+
+
+def test_interleaved_sets_the_virtual_pipeline_rank_per_chunk_as_megatron(pp2):
+    """Issue 19, defect 9: each chunk's forward and backward run under its own virtual
+    pipeline rank (Float16Module and is_pipeline_first/last_stage read it), as in Megatron's
+    interleaved schedule, whatever rank was set before the step; the rank is put back after."""
+    for rank in pp2:
+        theirs, ours = rank["interleaved"]["virtual"]
+        assert theirs == [(kind, c, c) for kind in "BF" for c in range(2)], theirs
+        assert ours == theirs
+        assert rank["interleaved"]["restored"]
 
 
 def test_patched_getter_returns_the_runtime_and_changes_no_number(pp2):

@@ -53,11 +53,14 @@ _generations = itertools.count()
 
 @dataclass
 class Binding:
-    """What runs one (region, stage) visit on this rank: its model chunk and the data
-    iterator its ``forward_step_func`` reads (``None`` is passed through as Megatron does)."""
+    """What runs one (region, stage) visit on this rank: its model chunk, the data
+    iterator its ``forward_step_func`` reads (``None`` is passed through as Megatron does),
+    and ``enter``: called right before each forward and backward of the chunk (Megatron's
+    interleaved schedule sets the virtual pipeline rank of the chunk there; ``None``: nothing)."""
 
     module: torch.nn.Module
     data_iterator: Any = None
+    enter: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -321,12 +324,16 @@ class _Step:
 
     # ------------------------------------------------------------------ helpers
 
-    def binding(self, a: Action) -> Binding:
+    def binding(self, a: Action, enter: bool = True) -> Binding:
+        """The visit's binding, entered (:attr:`Binding.enter`) unless ``enter`` is False."""
         try:
-            return self.bindings[(a.region, a.stage)]
+            binding = self.bindings[(a.region, a.stage)]
         except KeyError:
             raise KeyError(f"no model chunk bound to {a.region}.s{a.stage} on rank {self.rank} "
                            f"(bound: {sorted(self.bindings)})") from None
+        if enter and binding.enter is not None:
+            binding.enter()
+        return binding
 
     def visit(self, a: Action) -> tuple[int, tuple]:
         k, _ = self.plan.visits[(a.microbatch, a.region, a.stage)]
@@ -413,6 +420,7 @@ class _Step:
 
     def backward(self, a: Action) -> None:
         m = a.microbatch
+        self.binding(a)  # entered: the chunk's hooks (DDP's grad sync...) run under its virtual rank
         k, path = self.visit(a)
         visit = path[k]
         last = k == len(path) - 1
@@ -494,7 +502,7 @@ class _Step:
     # ------------------------------------------------------------------ collectives
 
     def region_params(self, a: Action) -> list[torch.nn.Parameter]:
-        return [p for p in self.binding(Action(a.kind, a.region, 0)).module.parameters() if p.requires_grad]
+        return [p for p in self.binding(Action(a.kind, a.region, 0), enter=False).module.parameters() if p.requires_grad]
 
     def broadcast(self, a: Action) -> None:
         """The group's first rank's parameters to every other replica."""
