@@ -40,14 +40,14 @@ import functools
 import logging
 import os
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.accounting import record_microbatch
-from mindspeed_flow.data.batch import completed_samples
+from mindspeed_flow.data.batch import completed_samples, pack_multiple, real_tokens
 from mindspeed_flow.data.handoff import StepBatches
 
 from .mindspeed_mm import _argument
@@ -76,13 +76,18 @@ def _as_dict(config: Any) -> dict:
 
 @dataclass(frozen=True)
 class FlowDatasetSpec:
-    """What ``build_mm_dataset`` returns under ``--flow-packing``: the corpus, not its rows."""
+    """What ``build_mm_dataset`` returns under ``--flow-packing``: the corpus, not its rows.
+
+    ``records``: the record indices of ``source`` this split reads (``None``: all of them);
+    ``split``: ``"train"`` or ``"valid"`` (the held-out part, see :func:`build_dataset`)."""
 
     source: str
     image_root: Optional[str]
     processor_path: Optional[str]
     min_pixels: Optional[int]
     max_pixels: Optional[int]
+    records: Optional[tuple[int, ...]] = None
+    split: str = "train"
 
     @classmethod
     def from_dataset_param(cls, dataset_param: dict) -> "FlowDatasetSpec":
@@ -121,8 +126,9 @@ class FlowTrainIterator(StepBatches):
     accounting.  ``save_state`` is the loader's ``state_dict`` (the name Megatron's
     ``maybe_save_dataloader_state`` looks for)."""
 
-    def __init__(self, loader: FlowDataLoader) -> None:
+    def __init__(self, loader: FlowDataLoader, split: str = "train") -> None:
         super().__init__(loader)
+        self.split = split  # only "train" microbatches are consumed samples; "valid"/"test" ones are evaluated
         _LIVE.add(self)
 
     def __iter__(self) -> "FlowTrainIterator":
@@ -130,8 +136,8 @@ class FlowTrainIterator(StepBatches):
 
     def __next__(self) -> dict[str, Any]:
         batch = super().__next__()
-        if self.loader.decoding:
-            record_microbatch(completed_samples(batch["sample_ids"]), batch["input_ids"].shape[1])
+        if self.loader.decoding and self.split == "train":
+            record_microbatch(completed_samples(batch["sample_ids"]), real_tokens(batch))
         return batch
 
     def save_state(self) -> dict[str, Any]:
@@ -188,17 +194,119 @@ def forward_backward_handoff(wrapped: Callable[..., Any], instance: Any, args: t
 
 
 def build_dataset(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``build_mm_dataset``: a :class:`FlowDatasetSpec` for conversation data."""
+    """``build_mm_dataset``: a :class:`FlowDatasetSpec` for conversation data, or a
+    ``(train, valid)`` pair of them when the data config holds out a validation split.
+
+    MindSpeed-MM's split, honoured record for record (``get_qwen2vl_dataset`` and
+    ``pretrain_vlm.train_valid_test_datasets_provider``, 57069cd):
+
+    - ``max_samples`` (not streaming): only the first ``max_samples`` records;
+    - ``val_dataset``: that file is the validation set (its first ``val_max_samples``
+      records if set); ``val_rate`` is then ignored, with upstream's warning;
+    - else ``val_rate > 0`` (not streaming): ``datasets``' own
+      ``Dataset.train_test_split(test_size=val_rate, seed=--seed)`` over the records, as
+      upstream calls it on its preprocessed rows: the same held-out records, never trained
+      on (see :func:`held_out_split`); a streaming dataset is not split (upstream splits
+      only a ``datasets.Dataset``), so it trains on every record and evaluates nothing, as
+      upstream does, said in a warning.
+
+    Returning the pair makes ``pretrain_vlm.py`` take its ``(train, valid)`` branch: a
+    loader for each, ``build_iterations(train, valid)``, evaluation at ``--eval-interval``.
+    """
     param = _as_dict(_argument(args, kwargs, DATASET_PARAMS, "dataset_param"))
     if param.get("dataset_type") != "huggingface":
         return wrapped(*args, **kwargs)
-    return FlowDatasetSpec.from_dataset_param(param)
+    spec = FlowDatasetSpec.from_dataset_param(param)
+    basic = _as_dict(param.get("basic_parameters", {}))
+    streaming = bool(basic.get("streaming"))
+    val_rate = basic.get("val_rate")
+    if val_rate is not None and not 0.0 <= float(val_rate) <= 1.0:
+        raise ValueError(f"val_rate must be between 0.0 and 1.0, got {val_rate}")
+    train = spec
+    if basic.get("max_samples") and not streaming:
+        train = replace(spec, records=_first_records(spec.source, int(basic["max_samples"]), "max_samples"))
+    val_source = basic.get("val_dataset")
+    if val_source:
+        if "," in str(val_source):
+            raise ValueError(f"--flow-packing needs basic_parameters.val_dataset to name one .json/.jsonl file or a "
+                             f"directory of them, got {val_source!r}")
+        if val_rate:
+            log.warning("--flow-packing: both val_dataset and val_rate are set: val_dataset is the validation set "
+                        "and val_rate is ignored (as MindSpeed-MM does)")
+        val_max = basic.get("val_max_samples")
+        valid = replace(spec, source=str(val_source), split="valid",
+                        records=_first_records(str(val_source), int(val_max), "val_max_samples") if val_max else None)
+        log.info("--flow-packing: validation set %s (%s records)", val_source,
+                 "all" if valid.records is None else len(valid.records))
+        return train, valid
+    if not val_rate:
+        return train
+    if streaming:
+        log.warning("--flow-packing: val_rate %s with a streaming dataset: MindSpeed-MM splits only a "
+                    "non-streaming dataset, so nothing is held out and nothing evaluated (same here)", val_rate)
+        return train
+    from megatron.training import get_args
+
+    rows = train.records if train.records is not None else tuple(range(_record_count(spec.source)))
+    kept, held = held_out_split(len(rows), float(val_rate), get_args().seed)
+    log.info("--flow-packing: val_rate %s holds out %d of %d records for validation (MindSpeed-MM's split, "
+             "seed %d)", val_rate, len(held), len(rows), get_args().seed)
+    return (replace(train, records=tuple(rows[i] for i in kept)),
+            replace(train, records=tuple(rows[i] for i in held), split="valid"))
 
 
-def loader_state_path(checkpoints: str, iteration: int, dp_rank: int) -> str:
+def held_out_split(size: int, val_rate: float, seed: int) -> tuple[list[int], list[int]]:
+    """``(train, held out)`` row positions of MindSpeed-MM's ``val_rate`` split of ``size``
+    rows: the ``datasets`` library's own ``train_test_split(test_size=val_rate, seed=seed)``
+    (what ``pretrain_vlm.py`` calls), run on a table of row numbers, so the held-out rows
+    are upstream's whatever the installed ``datasets`` version does."""
+    from datasets import Dataset
+
+    split = Dataset.from_dict({"row": list(range(size))}).train_test_split(test_size=val_rate, seed=seed)
+    return list(split["train"]["row"]), list(split["test"]["row"])
+
+
+def _record_count(source: str) -> int:
+    from mindspeed_flow.data.source import Corpus
+
+    return len(Corpus.open(source))
+
+
+def _first_records(source: str, count: int, name: str) -> tuple[int, ...]:
+    """The first ``count`` records of ``source`` (upstream's ``select(range(count))``)."""
+    size = _record_count(source)
+    if count > size:
+        raise ValueError(f"{name} {count} is more than the {size} records of {source}")
+    return tuple(range(count))
+
+
+def loader_state_path(checkpoints: str, iteration: int, dp_rank: int, split: str = "train") -> str:
+    """Where a decoding rank's loader state lies beside a checkpoint (the validation
+    loader's under its own name)."""
     from megatron.training.checkpointing import get_checkpoint_name
 
-    return get_checkpoint_name(checkpoints, iteration, basename=f"flow_loader_dprank{dp_rank:03d}.pt")
+    kind = "" if split == "train" else f"{split}_"
+    return get_checkpoint_name(checkpoints, iteration, basename=f"flow_loader_{kind}dprank{dp_rank:03d}.pt")
+
+
+def pack_length(margs: Any, tensor_parallel: int, context_parallel: int) -> tuple[int, int]:
+    """``(multiple, capacity)``: every pack is padded to a multiple of ``multiple`` tokens,
+    what Megatron's ``--sequence-parallel`` (TP) and context parallelism need of the sequence
+    (:func:`~mindspeed_flow.data.batch.pack_multiple`); the capacity is ``--seq-length``, cut
+    down to a multiple of it so a padded pack still fits."""
+    sequence_parallel = bool(getattr(margs, "sequence_parallel", False))
+    multiple = pack_multiple(tensor_parallel, context_parallel, sequence_parallel)
+    capacity = margs.seq_length - margs.seq_length % multiple
+    if capacity < 1:
+        raise ValueError(f"--flow-packing: --seq-length {margs.seq_length} is below the {multiple} tokens a pack "
+                         f"must be a multiple of (tensor parallel {tensor_parallel}, sequence parallel "
+                         f"{sequence_parallel}, context parallel {context_parallel})")
+    if multiple > 1:
+        log.info("--flow-packing: packs padded to a multiple of %d tokens (tensor parallel %d, sequence parallel %s, "
+                 "context parallel %d), capacity %d%s", multiple, tensor_parallel, sequence_parallel,
+                 context_parallel, capacity,
+                 "" if capacity == margs.seq_length else f" (--seq-length {margs.seq_length} cut to a multiple)")
+    return multiple, capacity
 
 
 def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -221,17 +329,20 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     peers = mpu.get_model_parallel_group()
     gloo = dist.get_backend(peers) == "gloo"
     param = _as_dict(_argument(args, kwargs, DATALOADER_PARAMS, "dataloader_param"))
+    multiple, capacity = pack_length(margs, mpu.get_tensor_model_parallel_world_size(),
+                                     mpu.get_context_parallel_world_size())
     loader = FlowDataLoader(
-        spec.source, load_processor(spec.processor_path), capacity=margs.seq_length,
+        spec.source, load_processor(spec.processor_path), capacity=capacity,
         dp_rank=dist.get_rank(dp_group), dp_size=dist.get_world_size(dp_group),
         num_workers=int(param.get("num_workers", 2)), seed=margs.seed, window=int(param.get("window", WINDOW)),
         pp_size=mpu.get_pipeline_model_parallel_world_size(), step_packs=get_num_microbatches(),
         group=peers if dist.get_world_size(peers) > 1 else None,
         device="cpu" if gloo else torch.device("cuda", torch.cuda.current_device()),
         image_root=spec.image_root, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
+        records=spec.records, pad_multiple=multiple,
     )
     if getattr(margs, "load", None) and getattr(margs, "iteration", 0) > 0 and loader.decoding:
-        path = loader_state_path(margs.load, margs.iteration, loader.dp_rank)
+        path = loader_state_path(margs.load, margs.iteration, loader.dp_rank, spec.split)
         if os.path.isfile(path):
             loader.load_state_dict(torch.load(path, weights_only=False)["flow_loader"])
         else:
@@ -247,7 +358,8 @@ def build_iterations(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         return wrapped(*args, **kwargs)
     if any(dl is not None and not isinstance(dl, FlowDataLoader) for dl in loaders):
         raise TypeError("--flow-packing: all of train/valid/test loaders must be FlowDataLoaders or none")
-    return tuple(None if dl is None else FlowTrainIterator(dl) for dl in loaders)
+    return tuple(None if dl is None else FlowTrainIterator(dl, split)
+                 for dl, split in zip(loaders, ("train", "valid", "test")))
 
 
 def save_checkpoint(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -260,7 +372,7 @@ def save_checkpoint(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     for iterator in list(_LIVE):
         loader = iterator.loader
         if loader.decoding and save_dir:
-            path = loader_state_path(save_dir, iteration, loader.dp_rank)
+            path = loader_state_path(save_dir, iteration, loader.dp_rank, iterator.split)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"flow_loader": iterator.save_state()}, path + ".tmp")
             os.replace(path + ".tmp", path)

@@ -37,15 +37,16 @@ import pickle
 import warnings
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional, Sequence
 
+import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mindspeed_flow.packing import BestFitPacker, CostModel, dispatch
 
 from . import broadcast
-from .batch import collate_pack
+from .batch import collate_pack, real_tokens
 from .decode import BadSample, Decoder, Sample, from_wire, to_wire
 from .images import MAX_PIXELS, MIN_PIXELS
 from .overlong import POLICIES, OverlongPolicy, fit
@@ -60,7 +61,7 @@ log = logging.getLogger("mindspeed_flow.data")
 STATE_FORMAT = 1
 # Settings that must match on resume (see the module docstring).
 RESUME_KEYS = ("dp_rank", "dp_size", "num_workers", "seed", "capacity", "window", "corpus_size", "shuffle",
-               "overlong", "min_pixels", "max_pixels")
+               "overlong", "min_pixels", "max_pixels", "records")
 Key = tuple[int, int]  # (record index, chunk)
 
 
@@ -93,6 +94,12 @@ class FlowDataLoader:
         image_root: directory that image paths are relative to (default: each shard's).
         min_pixels, max_pixels: dynamic-resolution bounds (default: the processor's if it
             has them, else 3136 and 262144).
+        records: the global record indices this loader reads (a subset of the corpus, e.g.
+            the training or the held-out part of a validation split); ``None``: all.  The
+            epoch order and the DP shards are drawn over the subset.
+        pad_multiple: every pack is padded to a multiple of this many tokens (TP x CP with
+            sequence parallelism, see :func:`.batch.pack_multiple`); ``capacity`` must be a
+            multiple of it.  The padding is counted in ``stats.pad_tokens``.
         prefetch_factor: samples each worker decodes ahead (8: the workers keep decoding
             while this process joins a pack, which is the slow part here).
     """
@@ -121,6 +128,8 @@ class FlowDataLoader:
         min_pixels: Optional[int] = None,
         max_pixels: Optional[int] = None,
         prefetch_factor: int = 8,
+        records: Optional[Sequence[int]] = None,
+        pad_multiple: int = 1,
     ) -> None:
         if overlong not in POLICIES:
             raise ValueError(f"overlong must be one of {POLICIES}, got {overlong!r}")
@@ -128,6 +137,10 @@ class FlowDataLoader:
             raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
         if step_packs < 1:
             raise ValueError(f"step_packs must be >= 1, got {step_packs}")
+        if pad_multiple < 1 or capacity % pad_multiple:
+            raise ValueError(f"capacity {capacity} must be a multiple of pad_multiple {pad_multiple} (>= 1): a padded "
+                             f"pack must still fit the capacity")
+        self.pad_multiple = pad_multiple
         check_rank(dp_rank, dp_size)  # here, not first in a decoding worker
         self.capacity, self.window, self.overlong, self.bad_input = capacity, window, overlong, bad_input
         self.dp_rank, self.dp_size, self.num_workers, self.seed, self.shuffle = dp_rank, dp_size, num_workers, seed, shuffle
@@ -142,6 +155,7 @@ class FlowDataLoader:
         if not self.decoding:
             return
         corpus = Corpus.open(source)
+        self._records = None if records is None else _check_records(records, len(corpus), source)
         tokenizer = load_tokenizer(tokenizer_or_processor, corpus.root)
         image_processor = getattr(tokenizer_or_processor, "image_processor", None)
         self._decoder = Decoder(
@@ -150,6 +164,7 @@ class FlowDataLoader:
             max_pixels if max_pixels is not None else getattr(image_processor, "max_pixels", MAX_PIXELS),
         )
         self._image_token_id = tokenizer.special.image_pad
+        self._pad_id = tokenizer.special.pad
         self._packer = BestFitPacker(capacity, window=window, overlong="error")
         self._held: dict[Key, Sample] = {}  # samples of open, closed-but-unordered and ready packs
         self._closed: list[list[Key]] = []  # closed packs waiting for their step's dispatch
@@ -201,7 +216,7 @@ class FlowDataLoader:
         self.stats.epochs += 1
 
     def _stream_loader(self) -> StatefulDataLoader:
-        stream = RankStream(self._decoder, self.seed, self.dp_rank, self.dp_size, self.shuffle)
+        stream = RankStream(self._decoder, self.seed, self.dp_rank, self.dp_size, self.shuffle, self._records)
         stream.epoch = self.epoch
         extra = {} if self.num_workers == 0 else {"prefetch_factor": self.prefetch_factor}
         with warnings.catch_warnings():  # torchdata 0.11 calls torch's deprecated set_vital
@@ -252,9 +267,11 @@ class FlowDataLoader:
             self._ready.extend(step[i] for i in order)
 
     def _emit(self, pack: list[Key]) -> dict[str, Any]:
-        batch = collate_pack([self._held.pop(k) for k in pack])
+        batch = collate_pack([self._held.pop(k) for k in pack], self.pad_multiple, self._pad_id)
+        tokens = real_tokens(batch)
         self.stats.packs += 1
-        self.stats.tokens += batch["input_ids"].shape[1]
+        self.stats.tokens += tokens
+        self.stats.pad_tokens += batch["input_ids"].shape[1] - tokens
         return batch
 
     # ------------------------------------------------------------------ state
@@ -262,7 +279,8 @@ class FlowDataLoader:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers, "seed": self.seed,
                 "capacity": self.capacity, "window": self.window, "shuffle": self.shuffle, "overlong": self.overlong,
                 **({"corpus_size": len(self._decoder.corpus), "min_pixels": self._decoder.min_pixels,
-                    "max_pixels": self._decoder.max_pixels} if self.decoding else {})}
+                    "max_pixels": self._decoder.max_pixels, "records": _records_digest(self._records)}
+                   if self.decoding else {})}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot to resume from (see the module docstring); peers that only receive
@@ -319,3 +337,23 @@ class FlowDataLoader:
         if missing:
             raise ValueError(f"resume: chunks {missing[:5]} of held samples are missing after re-decoding")
         return {k: held[k] for k in keys}
+
+
+def _check_records(records: Sequence[int], corpus_size: int, source: Any) -> np.ndarray:
+    """``records`` as int64 indices, refused when one is out of the corpus or repeated."""
+    indices = np.asarray(records, dtype=np.int64).reshape(-1)
+    if indices.size and (indices.min() < 0 or indices.max() >= corpus_size):
+        raise ValueError(f"records: indices must lie in [0, {corpus_size}) (the records of {source}), "
+                         f"got {int(indices.min())}..{int(indices.max())}")
+    if np.unique(indices).size != indices.size:
+        raise ValueError("records: an index appears more than once")
+    return indices
+
+
+def _records_digest(records: Optional[np.ndarray]) -> Optional[str]:
+    """A short fingerprint of a record subset (what a resumed loader must read again)."""
+    if records is None:
+        return None
+    import hashlib
+
+    return f"{records.size}:{hashlib.sha256(records.tobytes()).hexdigest()[:16]}"

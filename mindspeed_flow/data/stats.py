@@ -19,7 +19,9 @@ class LoaderStats:
         samples_packed: records that reached a pack (whole or in chunks).
         chunks: pieces packed (a split sample counts once per chunk).
         bad: records skipped (or failed on), per kind (see ``docs/data.md``).
-        packs, tokens: packs yielded and the tokens in them.
+        packs, tokens: packs yielded and the real (sample) tokens in them.
+        pad_tokens: padding tokens added to the yielded packs (each padded to a multiple of
+            TP x CP for sequence parallelism); they count as padding in :attr:`padding`.
         epochs: epochs completed.
     """
 
@@ -30,16 +32,17 @@ class LoaderStats:
     bad: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in BAD_KINDS})
     packs: int = 0
     tokens: int = 0
+    pad_tokens: int = 0
     epochs: int = 0
 
     @property
     def fill(self) -> float:
-        """Fraction of the yielded packs' token slots (``packs * capacity``) holding tokens."""
+        """Fraction of the yielded packs' token slots (``packs * capacity``) holding real tokens."""
         return PackStats(self.capacity, packs=self.packs, tokens=self.tokens).fill
 
     @property
     def padding(self) -> float:
-        """The unused part of the yielded packs' capacity."""
+        """The part of the yielded packs' capacity not holding real tokens (unused or padded)."""
         return 1.0 - self.fill
 
     def to_dict(self) -> dict:

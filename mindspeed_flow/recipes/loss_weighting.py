@@ -62,7 +62,9 @@ def per_sample_sums(token_losses: torch.Tensor, labels: torch.Tensor,
 
     ``token_losses`` / ``labels`` are ``[B, T]`` (or ``[T]``): a packed row (``B = 1``,
     samples cut by ``cu_seqlens``) or one sample per row (``cu_seqlens`` ``None``).  Tokens
-    whose label is -100 are not counted.  The sums keep their gradient.
+    whose label is -100 are not counted.  A padded pack's last segment is its padding
+    (``cu_seqlens`` one entry longer, every label -100, see :mod:`mindspeed_flow.data.batch`):
+    it belongs to no sample.  The sums keep their gradient.
     """
     losses, mask = token_losses.reshape(-1), labels.reshape(-1) != IGNORE
     if cu_seqlens is None:
@@ -72,6 +74,8 @@ def per_sample_sums(token_losses: torch.Tensor, labels: torch.Tensor,
         owner = torch.arange(rows, device=losses.device).repeat_interleave(losses.numel() // rows)
     else:
         bounds = torch.as_tensor(cu_seqlens).reshape(-1).to(losses.device, torch.int64)
+        if len(bounds) == samples + 2 and not bool(mask[int(bounds[-2]):].any()):
+            bounds = torch.cat([bounds[:-2], bounds[-1:]])  # padding joins the last sample, masked: counts nowhere
         if len(bounds) != samples + 1:
             raise ValueError(f"cu_seqlens has {len(bounds) - 1} segments but the batch has {samples} sample_ids")
         owner = torch.repeat_interleave(torch.arange(samples, device=losses.device), bounds[1:] - bounds[:-1],
