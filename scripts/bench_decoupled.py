@@ -45,8 +45,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from mindspeed_flow.loopback import tcp_store_server
 from mindspeed_flow.pool import open_pool
 from mindspeed_flow.pool.availability import backend_status
+from mindspeed_flow.pool.mooncake import OPT_IN_ENV, listen_opt_in
 from mindspeed_flow.pool.decoupled import DecoupledLayout
 from mindspeed_flow.runtime import Binding, Executor, RuntimeOptions, WaitPolicy
 from mindspeed_flow.schedule import OneFOneB, Region, compose
@@ -186,12 +188,9 @@ def summarize(ranks: list[dict], world: int) -> dict:
 def launch(worker: Callable, world: int, *args: Any, timeout_s: float = 600) -> list[Any]:
     """``worker(rank, world, *args)`` in ``world`` spawned processes of one gloo group on
     127.0.0.1; results by rank.  Every process is stopped before this returns."""
-    import torch.distributed as dist
-
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = tcp_store_server(world, timeout=timedelta(seconds=timeout_s))  # listens on 127.0.0.1 only
     procs = [ctx.Process(target=_child, args=(rank, world, store.port, worker, args, results), daemon=True)
              for rank in range(world)]
     try:
@@ -220,6 +219,7 @@ def _child(rank: int, world: int, port: int, worker: Callable, args: tuple, resu
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=600))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
@@ -293,6 +293,9 @@ def measure_latency(args: argparse.Namespace) -> dict:
     sizes = [1 << 20, 64 << 20]
     table: dict = {}
     status = backend_status()
+    if status["mooncake"] is None and not args.mooncake:
+        status["mooncake"] = (f"not opted in: a Mooncake client listens beyond loopback; set {OPT_IN_ENV}=1 "
+                              "to measure it (docs/pool.md)")
     for backend in tqdm(["local", "shm", "torch", "mooncake"], desc="pool latency"):
         if status[backend] is not None:
             table[backend] = f"cannot run here: {status[backend]}"
@@ -330,11 +333,11 @@ def main(argv: list[str] | None = None) -> int:
 
     server = None
     args.mooncake = {}
-    if backend_status()["mooncake"] is None:
+    if backend_status()["mooncake"] is None and listen_opt_in(None):
         from mindspeed_flow.pool.mooncake import MooncakeServer
 
         server = MooncakeServer()
-        args.mooncake = server.options
+        args.mooncake = {**server.options, "listen_beyond_loopback": True}
     try:
         costs = encoder_costs(args)
         spikes = sum(c > args.encoder_ms / 1000 * 2 for c in costs)

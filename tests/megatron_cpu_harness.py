@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from mindspeed_flow.loopback import tcp_store_server
+
 LOOPBACK = "127.0.0.1"
 NO_PIPELINING = "forward_backward_no_pipelining"
 ONE_F_ONE_B = "forward_backward_pipelining_without_interleaving"
@@ -123,9 +125,7 @@ def launch(
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        LOOPBACK, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
-    )
+    store = tcp_store_server(world_size, host=LOOPBACK, timeout=timeout)  # 127.0.0.1 only
     procs = [
         ctx.Process(
             target=_bootstrap,

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from mindspeed_flow.loopback import tcp_store_server
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -70,6 +72,7 @@ def _serve(ctx: Context, inbox: Any, outbox: Any) -> None:
 
 
 def _process_main(ctx: Context, store_port: int | None, inbox: Any, outbox: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback
     if ctx.backend == "torch":
         import torch.distributed as dist
 
@@ -98,10 +101,7 @@ class Cluster:
         self.barrier = barrier  # spawned children rebuild it from its name: keep it alive here
         self.store = None
         if backend == "torch":
-            import torch.distributed as dist
-
-            self.store = dist.TCPStore(LOOPBACK, 0, size, is_master=True, timeout=timedelta(seconds=60),
-                                       wait_for_workers=False)
+            self.store = tcp_store_server(size, host=LOOPBACK, timeout=timedelta(seconds=60))  # 127.0.0.1 only
         self.workers: list[Any] = []
         for rank in range(size):
             ctx = Context(backend, rank, size, options, barrier, self.threads)

@@ -5,12 +5,14 @@ again by the test.  The same functions run on every backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import torch
 
 from mindspeed_flow.pool import PoolFull, PoolTimeout, ProducerDied
+from mindspeed_flow.pool.errors import BadHandle, StaleHandle
 
 
 class Die(Exception):
@@ -156,6 +158,65 @@ def release(ctx) -> dict:
     if ctx.rank == 1:
         assert pool.get("r", timeout=5).equal(torch.full((100,), 7.0))
         pool.release("r")
+    ctx.barrier.wait()
+    pool.close()
+    return out
+
+
+def _refusal(pool, handle, read=None) -> dict:
+    """What ``pool.get(handle)`` (or ``read(handle)``) raised: its type and message."""
+    try:
+        got = (read or pool.get)(handle)
+    except BadHandle as exc:
+        return {"type": type(exc).__name__, "error": str(exc)}
+    return {"type": None, "error": f"returned {got.numel()} element(s)"}
+
+
+def handles(ctx) -> dict:
+    """Stale, forged and mismatched handles are refused naming the key; none returns bytes.
+
+    Rank 0 puts ``h`` (1000 bytes, the segment's first bytes); rank 1 gets it through its
+    own handle and tries altered copies (another owner, offset, size, shape, dtype, version,
+    key, metadata); then rank 1 releases ``h`` and ``g``, rank 0 puts ``h`` again (other
+    values, the same bytes of its segment), and rank 1's old handles are stale."""
+    pool = ctx.open(4096)
+    out: dict = {}
+    first = torch.arange(250, dtype=torch.float32)
+    if ctx.rank == 0:
+        out["offset_before"] = pool.put("h", first, {"n": 1}).offset
+        pool.put("g", torch.ones(10))
+    ctx.barrier.wait()
+    if ctx.rank == 1:
+        handle = pool.handle("h", timeout=10)
+        replace = dataclasses.replace
+        forged = {
+            "owner": replace(handle, owner=ctx.owner(9)),
+            "offset": replace(handle, offset=handle.offset + 64),
+            "out_of_range": replace(handle, offset=1 << 40),
+            "shape": replace(handle, shape=(7, 7)),
+            "size": replace(handle, nbytes=16, shape=(4,)),
+            "dtype": replace(handle, dtype="int32"),
+            "version": replace(handle, version="forged.1"),
+            "meta": replace(handle, meta={"n": 2}),
+            "key": replace(handle, key="never-put"),
+        }
+        out["forged"] = {name: _refusal(pool, bad) for name, bad in forged.items()}
+        assert pool.get(handle).equal(first), "the real handle stopped working"
+        if ctx.backend == "torch":  # the owner itself serves only its live objects
+            out["owner_refuses"] = _refusal(pool, forged["out_of_range"], read=pool.read)
+        out["g_handle"] = pool.handle("g", timeout=10)
+        pool.release("h")
+        pool.release("g")
+        out["old"] = handle
+    ctx.barrier.wait()
+    if ctx.rank == 0:
+        out["offset_after"] = pool.put("h", torch.full((250,), -1.0), {"n": 1}).offset  # same key, size, bytes
+    ctx.barrier.wait()
+    if ctx.rank == 1:
+        out["stale_reput"] = _refusal(pool, out.pop("old"))
+        out["stale_released"] = _refusal(pool, out.pop("g_handle"))
+        assert pool.get("h", timeout=10).equal(torch.full((250,), -1.0))
+        pool.release("h")
     ctx.barrier.wait()
     pool.close()
     return out

@@ -28,9 +28,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides, enable_cpu_shims
 
-os.environ["MASTER_ADDR"] = "127.0.0.1"
-os.environ["MASTER_PORT"] = str(20000 + os.getpid() % 20000)
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no TCP store listens
 shims = enable_cpu_shims()
 parallel_state.initialize_model_parallel()
 torch.manual_seed(0)

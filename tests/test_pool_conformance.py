@@ -31,7 +31,8 @@ def cluster(request, tmp_path_factory):
 
         server = MooncakeServer(log=tmp_path_factory.mktemp("mooncake") / "master.log")
         request.addfinalizer(server.stop)
-        options.update(server.options)
+        # opted in: a Mooncake client listens beyond loopback whatever it is told (docs/pool.md)
+        options.update(server.options, listen_beyond_loopback=True)
     group = Cluster(backend, SIZE, options)
     request.addfinalizer(group.stop)
     if backend == "shm":
@@ -69,6 +70,26 @@ def test_release_frees_space_and_key(cluster):
     out = cluster.run("release")
     assert out[1]["ready_after_release"] is False and "[r]" in out[1]["double_release"]
     assert "[r]" in out[2]["get_released"]
+
+
+def test_stale_forged_and_mismatched_handles_are_refused_naming_the_key(cluster):
+    producer, consumer = cluster.run("handles")[:2]
+    assert producer["offset_before"] == producer["offset_after"]  # the new object reuses the old bytes
+    for name, out in consumer["forged"].items():
+        key = "never-put" if name == "key" else "h"
+        expected = "StaleHandle" if name in ("key", "version") else "BadHandle"
+        assert out["type"] == expected and f"[{key}]" in out["error"], (name, out)
+        assert "refused" in out["error"], (name, out)
+    assert "shape (7, 7) (pool: (250,))" in consumer["forged"]["shape"]["error"]
+    assert "owner" in consumer["forged"]["owner"]["error"] and "offset" in consumer["forged"]["offset"]["error"]
+    for name in ("stale_reput", "stale_released"):
+        out = consumer[name]
+        assert out["type"] == "StaleHandle" and "stale handle" in out["error"], (name, out)
+    assert "[h]" in consumer["stale_reput"]["error"] and "released and put again" in consumer["stale_reput"]["error"]
+    assert "[g]" in consumer["stale_released"]["error"] and "was released" in consumer["stale_released"]["error"]
+    if cluster.backend == "torch":
+        out = consumer["owner_refuses"]
+        assert out["type"] == "BadHandle" and "producer rank0 refused the request" in out["error"], out
 
 
 def test_concurrent_producers(cluster):

@@ -129,7 +129,9 @@ def runs(tmp_path_factory):
     name = f"vlm{os.getpid()}"
     with MooncakeServer(log=tmp_path_factory.mktemp("mooncake") / "master.log") as server:
         try:
-            ranks = launch(_decoupled, LAYOUT.world_size, reference[0], name, server.options, timeout_s=300)
+            # opted in: a Mooncake client listens beyond loopback whatever it is told (docs/pool.md)
+            ranks = launch(_decoupled, LAYOUT.world_size, reference[0], name,
+                           {**server.options, "listen_beyond_loopback": True}, timeout_s=300)
         finally:
             destroy(name)
     return reference, ranks

@@ -24,10 +24,10 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import pool_scenarios
 from mindspeed_flow.pool import BackendUnavailable, PoolError, open_pool
+from mindspeed_flow.loopback import tcp_store_server
 from mindspeed_flow.pool import memfabric
 from pool_cluster import LOOPBACK, Context
 
@@ -149,8 +149,7 @@ def fabric(tmp_path, monkeypatch):
                         lambda name, *a: object() if name == memfabric.PACKAGE else find_spec(name, *a))
     monkeypatch.setattr(memfabric.importlib, "import_module",
                         lambda name, *a: stand_in.module if name == memfabric.PACKAGE else import_module(name, *a))
-    stand_in.store = dist.TCPStore(LOOPBACK, 0, 1, is_master=True, timeout=timedelta(seconds=30),
-                                   wait_for_workers=False)
+    stand_in.store = tcp_store_server(1, host=LOOPBACK, timeout=timedelta(seconds=30))  # 127.0.0.1 only
     return stand_in
 
 
@@ -200,6 +199,17 @@ def test_release_backpressure_timeouts_and_concurrent_producers(fabric):
     late = run_scenario(fabric, "timeouts")[1]
     assert "[late]" in late["late"][0] and "producer p0" in late["late"][0] and "memfabric backend" in late["late"][0]
     assert run_scenario(fabric, "concurrent")[-1]["got"] == 2 * pool_scenarios.ITEMS
+
+
+def test_stale_forged_and_mismatched_handles_are_refused_naming_the_key(fabric):
+    """The conformance suite's handle scenario (tests/test_pool_conformance.py) on memfabric."""
+    producer, consumer = run_scenario(fabric, "handles")[:2]
+    assert producer["offset_before"] == producer["offset_after"]
+    for name, out in consumer["forged"].items():
+        key = "never-put" if name == "key" else "h"
+        assert out["type"] in ("BadHandle", "StaleHandle") and f"[{key}]" in out["error"], (name, out)
+    assert consumer["stale_reput"]["type"] == "StaleHandle" and "[h]" in consumer["stale_reput"]["error"]
+    assert consumer["stale_released"]["type"] == "StaleHandle" and "[g]" in consumer["stale_released"]["error"]
 
 
 def test_put_lands_in_the_owners_contribution_and_get_reads_it_back(fabric):

@@ -1,7 +1,9 @@
 """Processes for the job: spawn ``world_size`` ranks on this machine, or be one rank of a
 ``torchrun`` launch.
 
-- Spawned (the default): the parent holds a ``TCPStore`` on 127.0.0.1 on a port the OS
+- Spawned (the default): the parent holds a ``TCPStore`` listening on 127.0.0.1 only (torch
+  binds a store's server to every interface whatever its host says, so the listening socket is
+  bound here and handed over: :func:`mindspeed_flow.loopback.tcp_store_server`) on a port the OS
   picks, starts the ranks with ``torch.multiprocessing``'s spawn context, relays their
   events (progress) to a callback, and collects their results.  When a rank fails, every
   rank is stopped and :class:`RankFailed` carries the first failing rank's traceback.
@@ -27,9 +29,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from mindspeed_flow.loopback import LOOPBACK, tcp_store_server
 from mindspeed_flow.train.warnings_log import Noise, capture
 
-LOOPBACK = "127.0.0.1"
 EXIT_GRACE_S = 2.0
 STOP_GRACE_S = 5.0
 
@@ -123,6 +125,10 @@ def _bootstrap(rank: int, world_size: int, port: int, timeout_s: float, worker: 
     ("done", rank, result bytes, noise) or ("error", rank, traceback, time)."""
     import torch.distributed as dist
 
+    # spawned ranks share one machine: the group's own sockets (gloo pairs, NCCL's bootstrap)
+    # listen on loopback too, not on the first network interface
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env = make_env(rank, world_size, rank, world_size)
 
     def init(timeout: timedelta) -> None:
@@ -153,13 +159,11 @@ def _bootstrap(rank: int, world_size: int, port: int, timeout_s: float, worker: 
 def _run_spawned(worker: Worker, world_size: int, args: tuple, on_event: Optional[Event],
                  timeout_s: float, megatron: bool,
                  after_stop: Optional[Callable[[list[int]], None]]) -> tuple[list[Any], Noise]:
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = tcp_store_server(world_size, host=LOOPBACK, timeout=timedelta(seconds=timeout_s))  # 127.0.0.1 only
     procs = [ctx.Process(target=_bootstrap, name=f"train-rank{rank}", daemon=True,
                          args=(rank, world_size, store.port, timeout_s, worker, args, results, megatron))
              for rank in range(world_size)]

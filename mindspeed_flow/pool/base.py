@@ -13,6 +13,8 @@ Index layout (keys of the index, not of the pool):
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import threading
 import time
 from typing import Any, Iterable, Sequence
@@ -20,8 +22,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .arena import Arena
-from .errors import PoolError, PoolTimeout, ProducerDied
-from .handle import Handle, check_meta, dtype_name, from_bytes, to_bytes
+from .errors import BadHandle, PoolError, PoolTimeout, ProducerDied, StaleHandle
+from .handle import Handle, check_layout, check_meta, dtype_name, from_bytes, to_bytes
 from .index import Index
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -59,6 +61,8 @@ class Pool:
         self.closed = False
         self._seen: dict[str, tuple[bytes | None, float]] = {}
         self._claims: dict[str, str] = {}  # claims seen: they may vanish with their producer
+        self._instance = secrets.token_hex(6)  # a handle's version: this view's id and its put count
+        self._puts = itertools.count(1)
         self._stop = threading.Event()
         self._beats = 0
         self._beat()
@@ -108,7 +112,7 @@ class Pool:
         payload = to_bytes(tensor)
         offset = self.arena.reserve(key, payload.numel(), self._timeout(timeout), self._released)
         handle = Handle(key, self.owner, offset, payload.numel(), dtype_name(tensor.dtype), tuple(tensor.shape),
-                        meta)
+                        meta, version=f"{self._instance}.{next(self._puts)}")
         self.write(handle, payload)
         self.index.set(f"obj/{key}", handle.to_json())
         return handle
@@ -153,17 +157,58 @@ class Pool:
         """The tensor under a key (waiting up to ``timeout`` s for it) or of a handle.
 
         Raises :class:`PoolTimeout` naming the key and its producer, or
-        :class:`ProducerDied` as soon as that producer is known to be gone."""
-        handle = key_or_handle if isinstance(key_or_handle, Handle) else self.handle(key_or_handle, timeout, producer)
+        :class:`ProducerDied` as soon as that producer is known to be gone.  A handle is
+        checked against the object the pool holds under its key, before and after the
+        bytes are read: :class:`StaleHandle` when that object was released (or released
+        and put again) - also while it was being read, so a get never returns bytes
+        another put has overwritten - and :class:`BadHandle` when any field (owner,
+        offset, size, dtype, shape, metadata) differs from the pool's."""
+        if isinstance(key_or_handle, Handle):
+            self._check_open("get", key_or_handle.key)
+            handle = self.verify(key_or_handle)
+        else:
+            handle = self.handle(key_or_handle, timeout, producer)
+        return self._read_checked(handle)
+
+    def _read_checked(self, handle: Handle) -> torch.Tensor:
         self._check_open("get", handle.key)
-        return from_bytes(self.read(handle), handle)
+        payload = self.read(handle)
+        self.verify(handle, reading=True)  # the owner reuses bytes only after the entry is gone
+        return from_bytes(payload, handle)
+
+    def verify(self, handle: Handle, *, reading: bool = False) -> Handle:
+        """The pool's handle for ``handle.key`` when ``handle`` is exactly it; else
+        :class:`StaleHandle` / :class:`BadHandle` naming the key."""
+        if not isinstance(handle, Handle):
+            raise TypeError(f"pool get: expected a key or a Handle, got {type(handle).__name__}")
+        key = handle.key
+        raw = self.index.get(f"obj/{key}")
+        when = " while it was being read" if reading else ""
+        if raw is None:
+            raise StaleHandle(f"pool get [{key}]: stale handle (version {handle.version or '?'} of {handle.owner}): "
+                              f"the object was released{when}, or never put; refused ({self.backend} backend)")
+        current = Handle.from_json(raw)
+        if current.version != handle.version:
+            raise StaleHandle(f"pool get [{key}]: stale handle (version {handle.version or '?'} of {handle.owner}): "
+                              f"the key was released and put again{when} (the pool's object is version "
+                              f"{current.version} of {current.owner}; or the handle is forged); refused "
+                              f"({self.backend} backend)")
+        differences = current.differences(handle)
+        if differences:
+            raise BadHandle(f"pool get [{key}]: the handle does not match the pool's object: "
+                            f"{'; '.join(differences)}; refused ({self.backend} backend)")
+        try:
+            check_layout(current)
+        except ValueError as exc:
+            raise BadHandle(f"{exc}; refused ({self.backend} backend)") from None
+        return current
 
     def get_microbatch(self, m: int, *, name: str = "embeddings",
                        timeout: float | None = None) -> tuple[torch.Tensor, Handle]:
         """The tensor and handle (with its metadata) of ``name`` for microbatch ``m``,
         whichever producer made it."""
         handle = self.handle(microbatch_key(m, name), timeout)
-        return self.get(handle), handle
+        return self._read_checked(handle), handle
 
     def wait_ready(self, keys: Sequence[str], timeout: float | None = None) -> list[Handle]:
         """Block until every key is in the pool (one shared deadline); their handles."""

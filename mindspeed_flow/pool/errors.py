@@ -22,5 +22,16 @@ class ProducerDied(PoolError):
     its pool) before putting it."""
 
 
+class BadHandle(PoolError, ValueError):
+    """A handle that does not describe the object the pool holds under its key (altered or
+    forged: another owner, offset, size, dtype or shape), or that is inconsistent in itself.
+    Refused before any byte is read."""
+
+
+class StaleHandle(BadHandle):
+    """A handle of an object that is no longer in the pool: released (maybe put again under
+    the same key, maybe into the same bytes), or released while it was being read."""
+
+
 class BackendUnavailable(PoolError):
     """A backend cannot run on this machine (a missing package, driver or server)."""

@@ -27,6 +27,9 @@ class Handle:
         dtype: ``torch`` dtype name (``"float32"``, ``"bfloat16"``, ...).
         shape: tensor shape.
         meta: the producer's metadata (sample ids, token counts, microbatch, ...); JSON.
+        version: which put of ``key`` this is: unique per put (the producer's random
+            instance id and its put counter), so a handle kept after a ``release`` never
+            matches the object a later put of the same key (or into the same bytes) made.
     """
 
     key: str
@@ -36,6 +39,7 @@ class Handle:
     dtype: str
     shape: tuple[int, ...]
     meta: dict[str, Any] = field(default_factory=dict)
+    version: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -45,6 +49,34 @@ class Handle:
         raw = json.loads(data)
         raw["shape"] = tuple(raw["shape"])
         return cls(**raw)
+
+    def differences(self, other: "Handle") -> list[str]:
+        """The fields where ``other`` differs from this handle, as ``name X (pool: Y)``."""
+        return [f"{name} {getattr(other, name)!r} (pool: {getattr(self, name)!r})" for name in ADDRESS_FIELDS
+                if getattr(self, name) != getattr(other, name)]
+
+
+ADDRESS_FIELDS = ("version", "owner", "offset", "nbytes", "dtype", "shape", "meta")
+
+
+def check_layout(handle: Handle) -> None:
+    """A handle's own fields must agree: a known dtype, a non-negative offset, and
+    ``nbytes`` = the shape's element count x the dtype's size.  ``ValueError`` naming the key."""
+    dtype = getattr(torch, str(handle.dtype), None)
+    where = f"pool handle [{handle.key}] of {handle.owner}"
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: unknown dtype {handle.dtype!r}")
+    if not isinstance(handle.offset, int) or handle.offset < 0:
+        raise ValueError(f"{where}: offset {handle.offset!r} is not a byte offset >= 0")
+    if any(not isinstance(d, int) or d < 0 for d in handle.shape):
+        raise ValueError(f"{where}: shape {handle.shape!r} is not a list of sizes >= 0")
+    count = 1
+    for d in handle.shape:
+        count *= d
+    size = count * torch.empty((), dtype=dtype).element_size()
+    if handle.nbytes != size:
+        raise ValueError(f"{where}: shape {list(handle.shape)} of {handle.dtype} is {size} bytes, the handle says "
+                         f"nbytes {handle.nbytes}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -59,13 +91,11 @@ def to_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def from_bytes(payload: torch.Tensor, handle: Handle) -> torch.Tensor:
     """Rebuild the tensor of ``handle`` from its ``uint8`` payload (the payload is reused)."""
-    dtype = getattr(torch, handle.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"pool object [{handle.key}] of {handle.owner}: unknown dtype {handle.dtype!r}")
+    check_layout(handle)
     if payload.numel() != handle.nbytes:
         raise ValueError(f"pool object [{handle.key}] of {handle.owner}: read {payload.numel()} bytes, "
                          f"the handle says {handle.nbytes}")
-    return payload.view(dtype).reshape(handle.shape)
+    return payload.view(getattr(torch, handle.dtype)).reshape(handle.shape)
 
 
 def check_meta(key: str, meta: dict | None) -> dict:

@@ -7,12 +7,28 @@ consumed; the pool's own accounting (:class:`~.arena.Arena`) gives the back-pres
 Handles, claims and heartbeats are small Mooncake objects too.  A producer must stay alive
 (its segment mounted) while consumers read what it put.
 
-:class:`MooncakeServer` starts ``mooncake_master`` with its HTTP metadata server bound to
-127.0.0.1 (tests, benchmarks and one-node jobs); a cluster passes ``master``/``metadata``.
+:class:`MooncakeServer` starts ``mooncake_master`` on 127.0.0.1 (tests, benchmarks and one-node
+jobs); a cluster passes ``master``/``metadata``.
+
+Where it listens (mooncake-transfer-engine-non-cuda 0.3.13, read in its source and checked in
+the kernel's socket table, ``tests/test_loopback.py``):
+
+- the master's RPC and metrics servers honour ``-rpc_address`` / ``-metrics_host``: 127.0.0.1;
+- the master's HTTP metadata server ignores ``-http_metadata_server_host`` (it is built on
+  ``coro_http_server(threads, port)``, which binds 0.0.0.0), so it is not started: clients
+  exchange their metadata peer to peer (``metadata="P2PHANDSHAKE"``, Mooncake's documented
+  alternative to a metadata server);
+- every client opens two listeners that no option binds: the transfer engine's handshake/RPC
+  port (``findAvailableTcpPort``: ``INADDR_ANY``) and the TCP transport's acceptor (IPv6
+  dual-stack ``::``).  ``MC_TCP_BIND_ADDRESS`` only sets the address a client *advertises*.
+  Whoever reaches those ports can read and write the client's segment, so
+  :class:`MooncakePool` refuses to start unless the user opts in to listening beyond
+  loopback (``listen_beyond_loopback=True`` or ``MINDSPEED_FLOW_MOONCAKE_LISTEN_BEYOND_LOOPBACK=1``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -23,10 +39,15 @@ from pathlib import Path
 
 import torch
 
+from ..loopback import LOOPBACK, beyond_loopback
 from .base import Pool
 from .errors import BackendUnavailable, PoolError
 from .handle import Handle
 
+log = logging.getLogger(__name__)
+
+OPT_IN_ENV = "MINDSPEED_FLOW_MOONCAKE_LISTEN_BEYOND_LOOPBACK"
+P2P_METADATA = "P2PHANDSHAKE"  # no metadata server: clients exchange segment metadata themselves
 INDEX_HEADROOM = 4 << 20  # handles, claims, heartbeats: a few hundred bytes each
 MIN_SEGMENT = 16 << 20  # Mooncake refuses smaller segments and buffers
 
@@ -77,21 +98,44 @@ class _MooncakeIndex:
         return f"{self.pool.name}/idx/{key}"
 
 
+def listen_opt_in(listen_beyond_loopback: bool | None, environ=os.environ) -> bool:
+    """Whether the user accepts a Mooncake client listening on every interface."""
+    if listen_beyond_loopback is not None:
+        return bool(listen_beyond_loopback)
+    return environ.get(OPT_IN_ENV, "") == "1"
+
+
 class MooncakePool(Pool):
     """Args (besides :class:`~.base.Pool`'s): ``master`` (``host:port`` of
-    ``mooncake_master``), ``metadata`` (its HTTP metadata URL), ``owner`` (default
-    ``pid<pid>``), ``hostname`` (this client's address, default 127.0.0.1)."""
+    ``mooncake_master``), ``metadata`` (its HTTP metadata URL, or ``P2PHANDSHAKE``, the
+    default: no metadata server), ``owner`` (default ``pid<pid>``), ``hostname`` (this
+    client's address, default 127.0.0.1), ``listen_beyond_loopback`` (default
+    ``$MINDSPEED_FLOW_MOONCAKE_LISTEN_BEYOND_LOOPBACK == "1"``): must be true, because a
+    Mooncake client listens on every interface whatever it is told (module docstring)."""
 
     backend = "mooncake"
 
-    def __init__(self, capacity_bytes: int, *, master: str, metadata: str, name: str = "pool",
-                 owner: str | None = None, hostname: str = "127.0.0.1", **options) -> None:
+    def __init__(self, capacity_bytes: int, *, master: str, metadata: str = P2P_METADATA, name: str = "pool",
+                 owner: str | None = None, hostname: str = LOOPBACK, listen_beyond_loopback: bool | None = None,
+                 **options) -> None:
+        if not listen_opt_in(listen_beyond_loopback):
+            raise BackendUnavailable(
+                "pool backend 'mooncake': a Mooncake client listens on every network interface (its transfer "
+                "engine's handshake port and its TCP transport; Mooncake has no option to bind them to 127.0.0.1, "
+                "MC_TCP_BIND_ADDRESS only sets the advertised address), and whoever reaches them can read and write "
+                f"its segment; refused. Opt in with listen_beyond_loopback=True or {OPT_IN_ENV}=1 where the "
+                "network is trusted (docs/pool.md)")
         store_cls, config_cls = import_store()
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
         self.name = name
         self.store = store_cls()
         segment = max(MIN_SEGMENT, capacity_bytes + INDEX_HEADROOM)
+        before = set(beyond_loopback([os.getpid()]))
         rc = self.store.setup(hostname, metadata, segment, segment, "tcp", "", master)
+        self.wide_listeners = sorted(set(beyond_loopback([os.getpid()])) - before, key=lambda item: item.port)
+        if self.wide_listeners:
+            log.warning("pool backend 'mooncake' (opted in): this client listens beyond loopback on %s",
+                        ", ".join(f"{item.host}:{item.port}" for item in self.wide_listeners))
         if rc != 0:
             raise BackendUnavailable(f"pool backend 'mooncake': setup against master {master}, metadata "
                                      f"{metadata} failed with code {rc} (is mooncake_master running?)")
@@ -145,22 +189,24 @@ def _free_port() -> int:
 
 
 class MooncakeServer:
-    """``mooncake_master`` with its HTTP metadata server, on 127.0.0.1 ports of its own.
+    """``mooncake_master`` listening on 127.0.0.1 only (RPC and metrics ports of its own);
+    no HTTP metadata server (Mooncake binds it to 0.0.0.0 whatever its host flag says):
+    clients use ``P2PHANDSHAKE`` metadata.
 
-    Use as a context manager; :attr:`options` are what :func:`open_pool` needs."""
+    Use as a context manager; :attr:`options` are what :func:`open_pool` needs (plus the
+    client's opt-in, ``listen_beyond_loopback``)."""
 
     def __init__(self, log: Path | None = None, start_timeout_s: float = 30.0) -> None:
         binary = master_binary()
         if binary is None:
             raise BackendUnavailable("pool backend 'mooncake': no mooncake_master executable (pip install "
                                      "mindspeed-flow[mooncake])")
-        self.rpc_port, self.http_port, metrics = _free_port(), _free_port(), _free_port()
+        self.rpc_port, self.metrics_port = _free_port(), _free_port()
         self.log = log
         out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [binary, "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc_port}", "-enable_http_metadata_server=true",
-             "-http_metadata_server_host=127.0.0.1", f"-http_metadata_server_port={self.http_port}",
-             "-metrics_host=127.0.0.1", f"-metrics_port={metrics}"],
+            [binary, f"-rpc_address={LOOPBACK}", f"-rpc_port={self.rpc_port}", "-enable_http_metadata_server=false",
+             f"-metrics_host={LOOPBACK}", f"-metrics_port={self.metrics_port}"],
             stdout=out, stderr=subprocess.STDOUT)
         self._out = out
         try:
@@ -171,11 +217,11 @@ class MooncakeServer:
 
     @property
     def options(self) -> dict:
-        return {"master": f"127.0.0.1:{self.rpc_port}", "metadata": f"http://127.0.0.1:{self.http_port}/metadata"}
+        return {"master": f"{LOOPBACK}:{self.rpc_port}", "metadata": P2P_METADATA}
 
     def _wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        pending = [self.rpc_port, self.http_port]
+        pending = [self.rpc_port, self.metrics_port]
         while pending:
             if self.process.poll() is not None:
                 raise BackendUnavailable(f"mooncake_master exited with code {self.process.returncode} at start"
