@@ -9,10 +9,13 @@ and the encoder's own ``tensor_model_parallel_size`` (read by ``--hetero-paralle
 set there.
 
 The plan comes from ``--flow-allocator-plan`` (command line, or ``MINDSPEED_FLOW_FLAGS``).
-A plan that cannot fit the job fails at start-up with both numbers named: a world size
-other than the backbone's devices (encoder replicas on devices of their own need the
-decoupled schedule, which this version does not run), or a layer count that is not the
-plan's.
+Only a co-located plan (the encoder inside the backbone's stage 0, upstream's own layout)
+is applied.  A decoupled plan (the encoder on devices of its own, feeding the backbone
+through the pool) is refused at start-up with the reason, at any world size: this version
+runs that layout only in ``mindspeed-flow train``, and applying its backbone sizes alone
+would run, without a word, another plan than the one the allocator chose.  A co-located
+plan that cannot fit the job fails at start-up with both numbers named: a world size other
+than the backbone's devices, or a layer count that is not the plan's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import argparse
 import logging
 from typing import Any, Callable
 
-from mindspeed_flow.allocator.plan import Plan
+from mindspeed_flow.allocator.plan import COLOCATED, Plan
 from mindspeed_flow.allocator.specs import AllocatorError
 from mindspeed_flow.allocator.upstream import megatron_split_settings, mindspeed_mm_model
 from mindspeed_flow.config import env_flags, parse_flow_flags
@@ -37,15 +40,37 @@ def plan_path(namespace: argparse.Namespace) -> str:
     return path
 
 
+def refuse_decoupled(plan: Plan, where: str, world: int | None = None) -> None:
+    """A decoupled plan is refused, naming why and what to plan instead (its best co-located
+    alternative when the file holds one)."""
+    if plan.placement == COLOCATED:
+        return
+    enc, bb = plan.encoder, plan.backbone
+    job = f" (this job: world size {world})" if world is not None else ""
+    colocated = [a for a in plan.alternatives if a.placement == COLOCATED]
+    instead = "plan the job with `placements: [colocated]` in the allocator config's workload"
+    if colocated:
+        a = colocated[0].backbone
+        instead += (f"; this plan's best co-located alternative: backbone dp {a.dp} x tp {a.tp} x pp {a.pp}, "
+                    f"micro batch {a.micro_batch}, {a.devices} devices")
+    raise AllocatorError(
+        f"{where}: refusing a decoupled plan: its encoder runs on {enc.devices} devices of its own "
+        f"(dp {enc.dp} x tp {enc.tp}) and feeds the backbone (dp {bb.dp} x tp {bb.tp} x pp {bb.pp}, "
+        f"{bb.devices} devices) through the memory pool, {plan.devices} devices in all{job}; this version runs "
+        f"that layout only in `mindspeed-flow train`, while a Megatron / MindSpeed-MM job runs the encoder "
+        f"inside the backbone's stage 0 (co-located), so applying the backbone's sizes alone would run another "
+        f"plan than the allocator chose; {instead}")
+
+
 def megatron_settings(plan: Plan, namespace: argparse.Namespace, where: str) -> dict[str, Any]:
     """The ``args`` attributes the plan sets; checks the plan against the job first."""
     bb = plan.backbone
     world = getattr(namespace, "world_size", None)
+    refuse_decoupled(plan, where, world)
     if world is not None and world != bb.devices:
         raise AllocatorError(
             f"{where}: the plan's backbone needs {bb.devices} devices (dp {bb.dp} x tp {bb.tp} x pp {bb.pp}) but "
-            f"this job has world size {world}; the encoder's own {plan.encoder.devices} devices run only "
-            f"under the decoupled schedule, not in this version")
+            f"this job has world size {world}")
     layers = getattr(namespace, "num_layers", None)
     if layers is not None and layers != sum(bb.layer_split):
         raise AllocatorError(f"{where}: the plan splits {sum(bb.layer_split)} backbone layers "
@@ -92,6 +117,7 @@ def _section(node: Any, dotted: str, where: str) -> Any:
 
 def apply_to_mm_model(model: Any, plan: Plan, where: str) -> None:
     """Write the plan's per-module entries into MindSpeed-MM's model config object."""
+    refuse_decoupled(plan, where)
     wanted = mindspeed_mm_model(plan)
     encoder = _section(model, "image_encoder.vision_encoder", where)
     if getattr(encoder, "num_layers", plan.encoder.layers) != plan.encoder.layers:

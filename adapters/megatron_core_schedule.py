@@ -197,9 +197,22 @@ def check_conflicts(args: Any) -> None:
         raise ScheduleConflict(
             f"{FEATURE} cannot run together with {', '.join(active)}: both replace Megatron's "
             "pipeline schedule; turn one of them off")
+    if not runtime_runs(args):
+        if getattr(args, "rank", 0) == 0:
+            log.info("%s: one pipeline stage and no --flow-schedule-config: Megatron's own "
+                     "forward_backward_no_pipelining runs each step, not the plugin's runtime", FEATURE)
+        return  # nothing of ours is on the path, so nothing of another feature is bypassed
     for name, is_on, why in BYPASSED:
         if is_on(args):
             log.warning("%s with %s: %s", FEATURE, name, why)
+
+
+def runtime_runs(args: Any) -> bool:
+    """Whether our runtime serves the step: a layout is named, or there is more than one
+    pipeline stage (:func:`get_forward_backward_func_wrapper` hands back Megatron's own
+    function otherwise)."""
+    return bool(getattr(args, "flow_schedule_config", None)) or int(
+        getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
 
 
 def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None:

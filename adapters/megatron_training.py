@@ -13,6 +13,7 @@ import argparse
 import logging
 from typing import Any, Callable
 
+from mindspeed_flow.activation import job_notes
 from mindspeed_flow.config import FlowConfig, add_flow_arguments
 
 log = logging.getLogger(__name__)
@@ -48,4 +49,6 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     config = FlowConfig.from_namespace(namespace)
     if getattr(namespace, "rank", 0) == 0:
         log.info("mindspeed-flow: %s", config.describe())
+        for note in job_notes(config):
+            log.info("mindspeed-flow %s", note)
     return result

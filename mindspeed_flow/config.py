@@ -5,6 +5,12 @@ else when ``--use-flowtrain`` is given.  Jobs whose command line cannot change p
 flags in ``MINDSPEED_FLOW_FLAGS`` (e.g. ``MINDSPEED_FLOW_FLAGS="--use-flowtrain
 --no-flow-allocator"``); a flag on the command line wins over the environment.
 
+Packing needs varlen attention: MindSpeed-MM's attention honours a pack's ``cu_seqlens``
+only through ``fused_attn``, so ``--flow-packing`` turns ``fused_attn`` on with it (and
+says so), and ``--no-flow-fused-attn`` next to packing (``--flow-packing`` or
+``--use-flowtrain``) is refused, naming both flags: the job never trains with samples
+attending to each other.
+
 The flags are added to upstream's own parser (Megatron's ``parse_args`` through its
 ``extra_args_provider``, MindSpeed's feature manager), so ``add_flow_arguments`` is
 idempotent: whichever path comes second finds them registered and adds nothing.
@@ -103,12 +109,33 @@ def flags_requested(argv: Sequence[str], environ: Mapping[str, str] | None = Non
     return any(asks(a.split("=")[0]) for a in list(argv) + env_flags(environ))
 
 
+class FlagError(ValueError):
+    """Flags that contradict each other, or that would make the job train silently wrong:
+    start-up refuses them, naming the flags."""
+
+
+# What a pack looks like to MindSpeed-MM's attention without ``fused_attn`` (pretrain_vlm.py,
+# with and without --use-flash-attn): one sequence, one causal mask over the whole pack.
+PACKING_WITHOUT_VARLEN = (
+    "a pack reaches MindSpeed-MM's attention as one sequence with one causal mask over the whole pack "
+    "(its cu_seqlens are honoured only by --flow-fused-attn's varlen path), so every token would attend "
+    "to the other samples of its pack")
+PACKING_TURNS_ON_VARLEN = (
+    "fused_attn on with --flow-packing: packs need the varlen attention that keeps each sample to itself "
+    "(without it " + PACKING_WITHOUT_VARLEN + "); --no-flow-fused-attn with packing is refused")
+
+
 @dataclass(frozen=True)
 class FlowConfig:
-    """Resolved switches: which features are on, and the pool backend."""
+    """Resolved switches: which features are on, and the pool backend.
+
+    ``notes`` says what the resolution decided beyond the flags as given (a feature another
+    one needs, turned on with it); :meth:`describe` includes them.
+    """
 
     features: frozenset[str] = field(default_factory=frozenset)
     pool_backend: str | None = None
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     def enabled(self, feature: str) -> bool:
         if feature not in FEATURE_NAMES:
@@ -132,11 +159,11 @@ class FlowConfig:
             explicit = pick(spec.dest)
             if spec.name == "pool" and backend is not None:
                 if explicit is False:
-                    raise ValueError(f"--no-flow-pool contradicts --flow-pool-backend {backend}")
+                    raise FlagError(f"--no-flow-pool contradicts --flow-pool-backend {backend}")
                 explicit = True
             if spec.name == "recipes" and any(pick(d) for d in RECIPE_VALUE_DESTS):
                 if explicit is False:
-                    raise ValueError("--no-flow-recipes contradicts the recipe values given (--flow-module-lr ...)")
+                    raise FlagError("--no-flow-recipes contradicts the recipe values given (--flow-module-lr ...)")
                 explicit = True
             if spec.name == "allocator" and explicit is None and not pick("flow_allocator_plan"):
                 # Without a plan the allocator has nothing to apply: --use-flowtrain leaves it
@@ -144,9 +171,19 @@ class FlowConfig:
                 continue
             if explicit or (explicit is None and master):
                 features.add(spec.name)
+        notes = []
+        if "packing" in features and "fused_attn" not in features:
+            if pick("flow_fused_attn") is False:
+                packing = "--flow-packing" if pick("flow_packing") else f"--flow-packing (on under {MASTER_FLAG})"
+                raise FlagError(
+                    f"--no-flow-fused-attn with {packing}: {PACKING_WITHOUT_VARLEN}. Drop --no-flow-fused-attn "
+                    "(varlen attention: each sample attends only to itself), or add --no-flow-packing "
+                    "(MindSpeed-MM's own data path)")
+            features.add("fused_attn")
+            notes.append(PACKING_TURNS_ON_VARLEN)
         if "pool" in features and backend is None:
             backend = DEFAULT_POOL_BACKEND
-        return cls(frozenset(features), backend if "pool" in features else None)
+        return cls(frozenset(features), backend if "pool" in features else None, tuple(notes))
 
     @classmethod
     def from_argv(cls, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> "FlowConfig":
@@ -155,4 +192,5 @@ class FlowConfig:
     def describe(self) -> str:
         on = [f for f in FEATURE_NAMES if f in self.features]
         text = ", ".join(on) if on else "no features"
-        return text + (f" (pool backend {self.pool_backend})" if self.pool_backend else "")
+        text += f" (pool backend {self.pool_backend})" if self.pool_backend else ""
+        return "; ".join([text, *self.notes])

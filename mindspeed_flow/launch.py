@@ -24,14 +24,33 @@ from typing import Sequence
 USAGE = "usage: python -m mindspeed_flow.launch (SCRIPT | -m MODULE) [ARGS...]"
 
 
+REFUSED = "mindspeed-flow: refusing to start: "
+REFUSED_EXIT_CODE = 2
+
+
+def refuse(error: Exception) -> str:
+    """The one line a refused start-up prints (flags that contradict each other)."""
+    return f"{REFUSED}{error}"
+
+
 def autoload() -> None:
-    """Activate the plugin if the command line or environment asks for it (the .pth hook)."""
-    from mindspeed_flow.config import flags_requested
+    """Activate the plugin if the command line or environment asks for it (the .pth hook).
+
+    Flags that are refused (:class:`~mindspeed_flow.config.FlagError`) end the process here
+    with exit code 2 and one line naming them: ``site`` would print an exception raised in a
+    ``.pth`` line and go on, and the job would start without the plugin.
+    """
+    from mindspeed_flow.config import FlagError, flags_requested
 
     if flags_requested(sys.argv[1:]):
         from mindspeed_flow.patches import activate
 
-        activate(sys.argv[1:])
+        try:
+            activate(sys.argv[1:])
+        except FlagError as error:
+            print(refuse(error), file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(REFUSED_EXIT_CODE)
 
 
 def put_script_folder_first(script: str) -> None:
@@ -58,9 +77,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not run_module:
         put_script_folder_first(target)
 
+    from mindspeed_flow.config import FlagError
     from mindspeed_flow.patches import activate
 
-    activate(script_args)  # after the path is set: upstream beside the script is checked now
+    try:
+        activate(script_args)  # after the path is set: upstream beside the script is checked now
+    except FlagError as error:
+        print(refuse(error), file=sys.stderr, flush=True)
+        raise SystemExit(REFUSED_EXIT_CODE) from None
     sys.argv = [target, *script_args]
     if run_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)

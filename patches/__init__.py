@@ -15,8 +15,9 @@ from mindspeed_flow.activation import current_registry, enable_features, install
 from mindspeed_flow.config import FlowConfig
 from mindspeed_flow.patching import Patch, PatchRegistry
 
-# Feature modules, in the order their patches are listed.  A feature whose module is not
-# here has no patches yet: its flag is accepted and the activation log says so.
+# Feature modules, in the order their patches are listed.  ``pool`` and ``system`` have none
+# (``activation.JOB_FEATURES``: the job's log says what they did); any other feature whose
+# module is not here has no patches yet: its flag is accepted and the activation log says so.
 FEATURE_MODULES = ("core", "fused_attn", "conv_matmul", "packing_accounting", "packing_loader", "allocator",
                    "schedule", "recipes")
 
@@ -45,9 +46,10 @@ def activate(argv: Sequence[str] | None = None, environ: Mapping[str, str] | Non
     config = FlowConfig.from_argv(sys.argv[1:] if argv is None else argv,
                                   os.environ if environ is None else environ)
     # ``system`` swaps nothing: it sets the environment and the core binding right here,
-    # before upstream (and torch_npu) is imported, so it is not a registry feature.
+    # before upstream (and torch_npu) is imported, so it is not a registry feature; the job's
+    # log says what it set (``activation.job_notes``).
     if config.enabled("system"):
         from mindspeed_flow.system.apply import apply_system_settings
         apply_system_settings()
-    enable_features(config.features - {"system"})
+    enable_features(config.features)
     return registry

@@ -10,6 +10,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
 from subprocess_utils import last_json, run_python
 
 PROBE = '''
@@ -60,8 +61,30 @@ def test_flag_on_an_unchanged_command_line_activates():
 
 def test_environment_variable_activates_like_the_flag():
     run = run_python(PROBE, env={"MINDSPEED_FLOW_FLAGS": "--flow-packing --flow-pool"})
-    assert last_json(run)["enabled"] == expected({"packing", "pool"}) == ["core", "packing"]
-    assert "feature 'pool' has no patches in this version" in run.stderr
+    # packing brings the varlen attention it needs (fused_attn); pool swaps nothing by design
+    assert last_json(run)["enabled"] == expected({"packing", "fused_attn", "pool"}) == ["core", "fused_attn", "packing"]
+    assert "no patches" not in run.stderr
+
+
+REFUSING_PROBE = PROBE.replace("import json, sys", "import json, sys\nprint('the script ran')")
+
+
+@pytest.mark.parametrize("flags", [["--flow-packing", "--no-flow-fused-attn"],
+                                   ["--use-flowtrain", "--no-flow-fused-attn"]])
+def test_packing_without_varlen_attention_refuses_to_start_naming_both_flags(tmp_path, flags):
+    """(issue 19, defect 2) On the zero-edit path (the .pth hook: site would print an
+    exception and run the job without the plugin) and through the launcher, the process
+    exits 2 before the script runs, with one line naming both flags."""
+    script = tmp_path / "train.py"
+    script.write_text(REFUSING_PROBE)
+    for command in ([sys.executable, str(script), *flags],
+                    [sys.executable, "-m", "mindspeed_flow.launch", str(script), *flags]):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
+        assert "the script ran" not in proc.stdout
+        refusal = [line for line in proc.stderr.splitlines() if line.startswith("mindspeed-flow: refusing to start:")]
+        assert len(refusal) == 1 and "--no-flow-fused-attn with --flow-packing" in refusal[0], proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 def test_launcher_runs_a_script_as_main_with_the_plugin_active(tmp_path):
@@ -90,7 +113,7 @@ def test_python_dash_m_launch_with_the_flag_also_seen_by_the_hook(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", str(script), "--use-flowtrain"],
                           capture_output=True, text=True, timeout=120)
     assert last_json(proc)["enabled"] == expected("all")
-    assert proc.stderr.count("feature 'pool' has no patches") == 1
+    assert "no patches" not in proc.stderr  # pool and system swap nothing by design: the job log says what they did
 
 
 def test_under_torchrun_each_worker_runs_the_script_with_the_plugin_active(tmp_path):
@@ -103,4 +126,27 @@ def test_under_torchrun_each_worker_runs_the_script_with_the_plugin_active(tmp_p
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(line[line.index("{"):]) for line in proc.stdout.splitlines() if '"rank"' in line]
     assert sorted(line["rank"] for line in lines) == ["0", "1"]
-    assert all(line["enabled"] == expected({"packing"}) for line in lines)
+    assert all(line["enabled"] == expected({"packing", "fused_attn"}) for line in lines)
+
+
+JOB_NOTES_PROBE = '''
+import json, sys
+from mindspeed_flow.activation import job_notes
+from mindspeed_flow.config import FlowConfig
+print(json.dumps(job_notes(FlowConfig.from_argv(sys.argv[1:]))))
+'''
+
+
+def test_the_job_log_says_what_pool_and_system_did():
+    """(issue 19, defect 6) pool and system swap no upstream function: the job's log says
+    what they did in this job (pool: inert, why; system: the binding and variables it set),
+    never "no patches in this version"."""
+    pool, system = last_json(run_python(JOB_NOTES_PROBE, ["--use-flowtrain"]))
+    assert pool.startswith("pool: inert in this job, no pool opened (backend torch unused)")
+    assert "co-located" in pool and "decoupled layout" in pool
+    assert system.startswith("system: bound local rank 0: cores ") and "Ascend environment defaults:" in system
+    assert last_json(run_python(JOB_NOTES_PROBE, ["--flow-packing"])) == []
+    # flags parsed later (Megatron's args) but the process activated without --flow-system
+    late = run_python(JOB_NOTES_PROBE.replace("sys.argv[1:]", '["--flow-system"]'))
+    assert last_json(late) == ["system: nothing set in this process (it acts when the plugin activates, before "
+                               "upstream is imported, and this process activated it without --flow-system)"]

@@ -24,9 +24,72 @@ PREDICTION = Prediction(throughput=10.0, production=11.0, consumption=10.0, mfu=
 
 
 def make_plan(split=(10,) * 8, dp=2, tp=4, micro_batch=1) -> Plan:
-    return Plan(EncoderConfig(dp=3, tp=2, layers=32),
+    """A co-located plan (the encoder in stage 0 with the backbone's TP and DP): the only
+    placement a Megatron / MindSpeed-MM job applies."""
+    return Plan(EncoderConfig(dp=dp, tp=tp, layers=32),
                 BackboneConfig(dp=dp, tp=tp, pp=len(split), micro_batch=micro_batch, layer_split=split),
-                global_batch=64, predicted=PREDICTION)
+                global_batch=64, predicted=PREDICTION, placement="colocated")
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "allocator"
+_CLI_PLANS: dict = {}
+
+
+def cli_plan(config: str, devices: int, tmp_path_factory) -> tuple[Path, Plan, str]:
+    """A plan as a user makes one: `mindspeed-flow plan CONFIG --devices N --out PLAN`
+    (file, plan, printed text); solved once per session."""
+    key = (config, devices)
+    if key not in _CLI_PLANS:
+        out = tmp_path_factory.mktemp("plan") / "plan.yaml"
+        proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "plan", str(CONFIGS / config),
+                               "--devices", str(devices), "--out", str(out)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        _CLI_PLANS[key] = (out, Plan.load(out), proc.stdout)
+    return _CLI_PLANS[key]
+
+
+@pytest.mark.parametrize("config, devices", [("tiny_cpu.yaml", 3), ("vlm_72b.yaml", 512)])
+def test_a_decoupled_plan_is_refused_with_the_reason_at_any_world_size(tmp_path_factory, config, devices):
+    """(issue 19, defect 4) A plan whose encoder has devices of its own is refused, with the
+    reason, at the plan's device count and at the backbone's world size (where it used to be
+    applied as if co-located, without a word); the CLI's text says so too."""
+    path, plan, text = cli_plan(config, devices, tmp_path_factory)
+    assert plan.placement == "decoupled" and plan.encoder.devices > 0
+    layers = sum(plan.backbone.layer_split)
+    for world in (plan.devices, plan.backbone.devices):
+        args = namespace(path, world_size=world, num_layers=layers, tensor_model_parallel_size=1)
+        with pytest.raises(AllocatorError) as refused:
+            apply_to_megatron_args(args)
+        message = str(refused.value)
+        assert f"refusing a decoupled plan: its encoder runs on {plan.encoder.devices} devices of its own" in message
+        assert f"this job: world size {world}" in message and "mindspeed-flow train" in message
+        assert "placements: [colocated]" in message
+        assert args.tensor_model_parallel_size == 1  # nothing was written
+    model = _config_tree({"image_encoder": {"vision_encoder": {"num_layers": plan.encoder.layers}},
+                          "text_decoder": {}})
+    with pytest.raises(AllocatorError, match="refusing a decoupled plan"):
+        apply_to_mm_model(model, plan, "plan.yaml")
+    assert not hasattr(model.text_decoder, "pipeline_num_layers")
+    assert "--flow-allocator refuses this plan at start-up" in text and "or apply it at start-up" not in text
+
+
+def test_the_refusal_names_the_plans_best_colocated_alternative(tmp_path_factory):
+    path, plan, _ = cli_plan("vlm_72b.yaml", 512, tmp_path_factory)
+    alternative = next(a for a in plan.alternatives if a.placement == "colocated").backbone
+    with pytest.raises(AllocatorError, match=(
+            rf"best co-located alternative: backbone dp {alternative.dp} x tp {alternative.tp} x pp {alternative.pp}, "
+            rf"micro batch {alternative.micro_batch}, {alternative.devices} devices")):
+        apply_to_megatron_args(namespace(path, world_size=plan.backbone.devices))
+
+
+def test_a_colocated_plan_from_the_cli_is_applied(tmp_path_factory):
+    path, plan, text = cli_plan("tiny_cpu.yaml", 8, tmp_path_factory)
+    assert plan.placement == "colocated" and "or apply it at start-up" in text
+    args = namespace(path, world_size=plan.devices, num_layers=sum(plan.backbone.layer_split))
+    apply_to_megatron_args(args)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.global_batch_size) == (
+        plan.backbone.tp, plan.backbone.pp, plan.global_batch)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +169,7 @@ def test_mindspeed_mm_model_config_gets_the_per_module_splits(upstream, tmp_path
     apply_to_mm_model(model, plan, "plan.yaml")
     assert model.text_decoder.pipeline_num_layers == [20, 20, 20, 20]
     assert model.image_encoder.vision_encoder.pipeline_num_layers == [32, 0, 0, 0]
-    assert model.image_encoder.vision_encoder.tensor_model_parallel_size == 2
+    assert model.image_encoder.vision_encoder.tensor_model_parallel_size == 4  # co-located: the backbone's
     model.image_encoder.vision_encoder.num_layers = 24
     with pytest.raises(AllocatorError, match="plan's encoder has 32 layers, the vision encoder config has 24"):
         apply_to_mm_model(model, plan, "plan.yaml")

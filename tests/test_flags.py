@@ -81,10 +81,46 @@ def test_use_flowtrain_turns_the_allocator_on_only_with_a_plan():
 
 
 def test_single_feature_flags_without_the_master_flag():
-    config = FlowConfig.from_namespace(parse(["--flow-packing", "--flow-pool-backend", "mooncake"]), environ={})
-    assert config.features == {"packing", "pool"}
+    config = FlowConfig.from_namespace(parse(["--flow-pool-backend", "mooncake"]), environ={})
+    assert config.features == {"pool"}
     assert config.pool_backend == "mooncake"
+    assert FlowConfig.from_namespace(parse(["--flow-conv-matmul"]), environ={}).features == {"conv_matmul"}
     assert FlowConfig.from_namespace(parse([]), environ={}).features == frozenset()
+
+
+def test_packing_alone_turns_the_varlen_attention_on_and_says_so():
+    """(issue 19, defect 2) A pack reaches MindSpeed-MM's attention with one causal mask over
+    the whole pack unless fused_attn makes it honour cu_seqlens: --flow-packing alone brings
+    fused_attn with it, and the job's feature line says why."""
+    config = FlowConfig.from_namespace(parse(["--flow-packing", "--flow-pool-backend", "mooncake"]), environ={})
+    assert config.features == {"packing", "fused_attn", "pool"}
+    text = config.describe()
+    assert text.startswith("packing, pool, fused_attn (pool backend mooncake); fused_attn on with --flow-packing")
+    assert "attend to the other samples of its pack" in text
+    env_only = FlowConfig.from_argv([], {ENV_VAR: "--flow-packing"})
+    assert env_only.features == {"packing", "fused_attn"}
+    assert FlowConfig.from_argv(["--flow-fused-attn"], environ={}).notes == ()  # nothing implied
+
+
+@pytest.mark.parametrize("argv, env, packing", [
+    (["--flow-packing", "--no-flow-fused-attn"], {}, "--flow-packing:"),
+    (["--use-flowtrain", "--no-flow-fused-attn"], {}, "--flow-packing (on under --use-flowtrain):"),
+    (["--no-flow-fused-attn"], {ENV_VAR: "--use-flowtrain"}, "--flow-packing (on under --use-flowtrain):"),
+    (["--flow-packing"], {ENV_VAR: "--no-flow-fused-attn"}, "--flow-packing:"),
+])
+def test_packing_with_the_varlen_attention_off_is_refused_naming_both_flags(argv, env, packing):
+    from mindspeed_flow.config import FlagError
+
+    with pytest.raises(FlagError) as refused:
+        FlowConfig.from_argv(argv, env)
+    message = str(refused.value)
+    assert message.startswith(f"--no-flow-fused-attn with {packing}")
+    assert "attend to the other samples of its pack" in message and "--no-flow-packing" in message
+
+
+def test_no_packing_leaves_the_attention_as_chosen():
+    config = FlowConfig.from_argv(["--use-flowtrain", "--no-flow-packing", "--no-flow-fused-attn"], environ={})
+    assert "packing" not in config.features and "fused_attn" not in config.features and config.notes == ()
 
 
 def test_strict_parser_rejects_unknown_and_abbreviated_flags(capsys):

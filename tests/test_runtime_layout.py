@@ -122,7 +122,7 @@ def test_variable_seq_lengths_composes_and_says_why(caplog):
     """MindSpeed's --variable-seq-lengths patches p2p _communicate, which our runtime never
     calls (every transfer carries its shape): start-up goes on and logs that once; a real
     conflict next to it is still refused."""
-    args = argparse.Namespace(flow_schedule_config=None, variable_seq_lengths=True)
+    args = argparse.Namespace(flow_schedule_config=None, variable_seq_lengths=True, pipeline_model_parallel_size=2)
     with caplog.at_level(logging.WARNING, logger="mindspeed_flow.schedule"):
         assert adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {}) is args
     bypassed = [r.getMessage() for r in caplog.records if "--variable-seq-lengths" in r.getMessage()]
@@ -130,6 +130,31 @@ def test_variable_seq_lengths_composes_and_says_why(caplog):
     args.hetero_parallel = True
     with pytest.raises(adapter.ScheduleConflict, match="MindSpeed-MM --hetero-parallel"):
         adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
+
+
+def test_at_one_stage_without_a_layout_the_log_says_megatrons_function_runs(caplog, tmp_path):
+    """(issue 19, defect 6) At PP=1 with no --flow-schedule-config Megatron's own
+    forward_backward_no_pipelining runs: the log says so, and claims no bypass of
+    --variable-seq-lengths; with a one-stage layout our runtime runs and the bypass is true."""
+    args = argparse.Namespace(flow_schedule_config=None, variable_seq_lengths=True, pipeline_model_parallel_size=1)
+    with caplog.at_level(logging.INFO, logger="mindspeed_flow.schedule"):
+        adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "bypassed" in m]
+    assert any("Megatron's own forward_backward_no_pipelining runs each step, not the plugin's runtime" in m
+               for m in messages)
+    caplog.clear()
+    layout = tmp_path / "one_stage.yaml"
+    layout.write_text("regions:\n  - {name: llm, layers: 2}\n")
+    args.flow_schedule_config = str(layout)
+    try:
+        with caplog.at_level(logging.INFO, logger="mindspeed_flow.schedule"):
+            adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
+    finally:
+        adapter.configure()
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if "bypassed" in m]) == 1
+    assert not [m for m in messages if "no_pipelining" in m]
 
 
 def test_runtime_section_sets_the_fault_timeout_and_send_bound(tmp_path):

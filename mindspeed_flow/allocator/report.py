@@ -59,8 +59,11 @@ def describe(plan: Plan, config: AllocatorConfig, title: str) -> str:
         lines.append(f"  note: upstream alone runs the encoder inside stage 0, so these realise the backbone's "
                      f"{plan.backbone.devices} devices and the splits; the encoder's own {plan.encoder.devices} "
                      "devices need the decoupled runtime")
-    lines.append(f"  or apply it at start-up: --flow-allocator --flow-allocator-plan PLAN.yaml "
-                 "(write it with --out)")
+        lines.append("  --flow-allocator refuses this plan at start-up: this version runs a decoupled plan only in "
+                     "`mindspeed-flow train`; for a Megatron / MindSpeed-MM job plan with `placements: [colocated]`")
+    else:
+        lines.append(f"  or apply it at start-up: --flow-allocator --flow-allocator-plan PLAN.yaml "
+                     "(write it with --out)")
     return "\n".join(lines)
 
 

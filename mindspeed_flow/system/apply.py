@@ -93,6 +93,11 @@ def ascend_env_report(environ: MutableMapping[str, str]) -> list[EnvSetting]:
     return apply_ascend_env(environ)
 
 
+def applied_settings() -> tuple[list[EnvSetting], Binding] | None:
+    """What :func:`apply_system_settings` did in this process (``None``: not called)."""
+    return _applied
+
+
 def apply_system_settings(environ: MutableMapping[str, str] | None = None) -> tuple[list[EnvSetting], Binding]:
     """Once per process: Ascend defaults (where torch_npu is installed) and the binding."""
     global _applied
