@@ -19,8 +19,12 @@ from pathlib import Path
 import pytest
 
 from harness import Job, UpstreamRun, run_upstream, sample_specs
+from realjob import RealJobs
 
 MODEL_DEPENDENCIES = ("transformers", "diffusers", "peft", "einops", "regex", "scipy", "sentencepiece", "beartype")
+# What pretrain_vlm.py's imports and its "huggingface" data path add (realjob.py).
+REAL_JOB_DEPENDENCIES = ("datasets", "pandas", "pyarrow", "PIL", "av", "pandarallel", "orjson", "ftfy", "bs4",
+                         "sklearn", "sqlalchemy", "google.protobuf", "tokenizers", "accelerate")
 REQUIRED_ENV = "MINDSPEED_FLOW_UPSTREAM_REQUIRED"
 
 # Three samples of different image grids and text lengths: one per microbatch, or one pack.
@@ -73,11 +77,18 @@ def pinned(package: str) -> str | None:
     return None
 
 
-def missing_dependencies() -> list[str]:
-    """Model dependencies that are absent, or present at another version than pinned."""
+def _absent(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # a dotted name whose parent is absent
+        return True
+
+
+def missing_dependencies(modules: tuple[str, ...] = MODEL_DEPENDENCIES) -> list[str]:
+    """Dependencies that are absent, or present at another version than pinned."""
     missing = []
-    for module in MODEL_DEPENDENCIES:
-        if importlib.util.find_spec(module) is None:
+    for module in modules:
+        if _absent(module):
             missing.append(module)
         elif pinned(module) and importlib.metadata.version(module) != pinned(module):
             missing.append(f"{module}=={pinned(module)} (found {importlib.metadata.version(module)})")
@@ -96,9 +107,35 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("upstream_runs"))
 
 
+REAL_JOBS: list[RealJobs] = []
+
+
+@pytest.fixture(scope="session")
+def real_jobs(tmp_path_factory) -> RealJobs:
+    """The real job's runs (``realjob.py``), shared by name across this folder's tests."""
+    missing = missing_dependencies(MODEL_DEPENDENCIES + REAL_JOB_DEPENDENCIES)
+    if missing:
+        message = (f"the real-job harness needs {', '.join(missing)}: run `bash scripts/test_upstream.sh`, "
+                   "which builds its own environment")
+        if os.environ.get(REQUIRED_ENV):
+            pytest.fail(message)
+        pytest.skip(message)
+    jobs = RealJobs(tmp_path_factory.mktemp("real_jobs"))
+    REAL_JOBS.append(jobs)
+    return jobs
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """What was real in the upstream runs: the stand-in symbols and the kernels each called."""
     if REPORTS:
         terminalreporter.section("upstream harness: stood in / called")
         for report in REPORTS:
             terminalreporter.write_line(report)
+    for jobs in REAL_JOBS:
+        if jobs.reports:
+            terminalreporter.section("real job (pretrain_vlm.py): stood in / shimmed / wall time")
+            for report in jobs.reports:
+                terminalreporter.write_line(report)
+            walls = jobs.wall_s
+            terminalreporter.write_line(f"[real job] {len(walls)} runs, {sum(walls.values()):.0f} s in all: "
+                                        + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()))
