@@ -209,6 +209,8 @@ def launch(worker: Callable, world: int, *args: Any, timeout_s: float = 600) -> 
         return [out[r] for r in range(world)]
     finally:
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()

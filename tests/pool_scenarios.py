@@ -222,6 +222,28 @@ def handles(ctx) -> dict:
     return out
 
 
+def listeners(ctx) -> list | None:
+    """Every participant opens the pool and moves an object; rank 0 then lists the listening
+    sockets of the whole cluster (this process's parent and all below it)."""
+    import os
+
+    from mindspeed_flow.loopback import descendants, listening_sockets
+
+    pool = ctx.open(1 << 16)
+    if ctx.rank == 0:
+        pool.put("x", torch.ones(4))
+    ctx.barrier.wait()
+    if ctx.rank == 1:
+        assert pool.get("x", timeout=10).equal(torch.ones(4))
+    ctx.barrier.wait()
+    root = os.getpid() if ctx.threads else os.getppid()
+    out = ([{"host": i.host, "port": i.port, "pids": list(i.pids)} for i in listening_sockets(descendants(root))]
+           if ctx.rank == 0 else None)
+    ctx.barrier.wait()
+    pool.close()
+    return out
+
+
 ITEMS = 8
 
 

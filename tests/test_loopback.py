@@ -1,0 +1,247 @@
+"""Every server the project starts listens on 127.0.0.1 (or ::1) only, checked in the
+kernel's socket table (``/proc/net/tcp*`` mapped to this test's own processes through
+``/proc/<pid>/fd``): the train job's store and ranks, the benchmark's and the test
+harnesses' launches, the pool backends, Mooncake's master.  Where a server cannot be bound
+(a Mooncake client, torchrun's own store) the test pins down exactly which listeners those
+are, and that the backend refuses to start without the user's opt-in (docs/pool.md)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindspeed_flow.loopback import beyond_loopback, descendants, is_loopback, listening_sockets
+from subprocess_utils import last_json
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree_listeners(root_pid: int) -> list[dict]:
+    return [{"host": item.host, "port": item.port, "pids": list(item.pids)}
+            for item in listening_sockets(descendants(root_pid))]
+
+
+def _wide(listeners: list[dict]) -> list[dict]:
+    return [item for item in listeners if not is_loopback(item["host"])]
+
+
+def test_the_socket_table_tells_wildcard_from_loopback_listeners():
+    with socket.socket() as wide, socket.socket() as local, socket.socket(socket.AF_INET6) as local6:
+        wide.bind(("0.0.0.0", 0))
+        local.bind(("127.0.0.1", 0))
+        local6.bind(("::1", 0))
+        for sock in (wide, local, local6):
+            sock.listen()
+        mine = {(item.host, item.port) for item in listening_sockets([os.getpid()])}
+        assert {("0.0.0.0", wide.getsockname()[1]), ("127.0.0.1", local.getsockname()[1]),
+                ("::1", local6.getsockname()[1])} <= mine
+        assert [item.port for item in beyond_loopback([os.getpid()])] == [wide.getsockname()[1]]
+    assert is_loopback("::ffff:127.0.0.1") and not is_loopback("::") and not is_loopback("0.0.0.0")
+
+
+def test_tcp_store_server_binds_loopback_where_torch_binds_every_interface():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mindspeed_flow.loopback import tcp_store_server
+
+    plain = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    try:  # what the audit saw: torch ignores the host for its server socket
+        assert any(item.port == plain.port for item in beyond_loopback([os.getpid()]))
+    finally:
+        del plain
+    store = tcp_store_server(2, timeout=timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=timedelta(seconds=30))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    ours = [item for item in listening_sockets([os.getpid()]) if item.port == store.port]
+    assert [item.host for item in ours] == ["127.0.0.1"]
+
+
+# ---------------------------------------------------------------------- launches
+
+
+def _report_tree(env, emit):
+    """A train-job worker: rank 0 reads the listeners of the whole launch (the parent holds
+    the store) while every rank is in the group."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    out = _tree_listeners(os.getppid()) if env.rank == 0 else None
+    dist.barrier()
+    return out
+
+
+def test_train_job_store_and_ranks_listen_on_loopback_only():
+    from mindspeed_flow.train.launch import run_world
+
+    results, _ = run_world(_report_tree, 2, megatron=False, timeout_s=120)
+    listeners = results[0]
+    assert any(os.getpid() in item["pids"] for item in listeners), listeners  # the parent's store was seen
+    assert len({p for item in listeners for p in item["pids"]}) >= 3, listeners  # ... and both ranks' gloo
+    assert _wide(listeners) == [], listeners
+
+
+def _report_tree_bench(rank, world):
+    import torch.distributed as dist
+
+    dist.barrier()
+    out = _tree_listeners(os.getppid()) if rank == 0 else None
+    dist.barrier()
+    return out
+
+
+def _load_script(name: str):
+    """``scripts/<name>.py`` as the module ``name`` (spawned children import it by name:
+    spawn hands them this process's ``sys.path``)."""
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("launcher", ["bench_decoupled", "megatron_cpu_harness"])
+def test_benchmark_and_harness_launches_listen_on_loopback_only(launcher):
+    if launcher == "bench_decoupled":
+        launch = _load_script("bench_decoupled").launch
+    else:
+        from megatron_cpu_harness import launch
+    listeners = launch(_report_tree_bench, 2, timeout_s=120)[0]
+    assert any(os.getpid() in item["pids"] for item in listeners), listeners
+    assert _wide(listeners) == [], listeners
+
+
+@pytest.mark.parametrize("backend", ["local", "shm", "torch"])
+def test_pool_backends_listen_on_loopback_only(backend):
+    from pool_cluster import Cluster
+
+    group = Cluster(backend, 2, {"name": f"loop{os.getpid()}"})
+    try:
+        listeners = group.run("listeners")[0]
+    finally:
+        group.stop()
+        if backend == "shm":
+            from mindspeed_flow.pool.shm import destroy
+
+            destroy(f"loop{os.getpid()}")
+    if backend == "torch":
+        assert len({p for item in listeners for p in item["pids"]}) >= 3, listeners  # store + both ranks
+    assert _wide(listeners) == [], listeners
+
+
+_TORCHRUN_RANK = r'''
+import json, os, sys
+from mindspeed_flow.loopback import descendants, listening_sockets
+from mindspeed_flow.train.launch import run_world
+
+def worker(env, emit):
+    import torch.distributed as dist
+    dist.barrier()
+    agent = os.getppid()
+    out = [{"host": i.host, "port": i.port, "pids": list(i.pids)} for i in listening_sockets(descendants(agent))]
+    dist.barrier()
+    return {"agent": agent, "listeners": out, "me": os.getpid()}
+
+launched = run_world(worker, 2, megatron=False, timeout_s=120)
+if launched is not None:
+    with open(sys.argv[1], "w") as f:
+        json.dump(launched[0], f)
+'''
+
+
+def test_torchrun_launch_adds_no_listener_beyond_torchruns_own_store(tmp_path):
+    """Under torchrun the rendezvous store is torch's (its agent's): torch binds it on every
+    interface whatever ``--master-addr`` says and offers no way to hand it a bound socket
+    (docs/pool.md).  The job itself adds nothing beyond loopback: every wide listener of the
+    launch is held by the agent alone, none by a rank."""
+    script = tmp_path / "rank.py"
+    script.write_text(_TORCHRUN_RANK)
+    out = tmp_path / "out.json"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), str(script), str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (rank0, rank1) = json.loads(out.read_text())
+    agent, listeners = rank0["agent"], rank0["listeners"]
+    ranks = {rank0["me"], rank1["me"]}
+    assert {p for item in listeners for p in item["pids"]} & ranks == ranks, listeners  # the ranks' gloo was seen
+    wide = _wide(listeners)
+    assert wide and all(item["pids"] == [agent] for item in wide), listeners  # torch's store, in the agent only
+    assert all(is_loopback(item["host"]) for item in listeners if set(item["pids"]) & ranks), listeners
+
+
+# ---------------------------------------------------------------------- mooncake
+
+
+def _mooncake_or_fail():
+    from mindspeed_flow.pool.availability import backend_status
+
+    reason = backend_status()["mooncake"]
+    if reason is not None:
+        pytest.fail(f"pool backend mooncake cannot run here: {reason}")
+
+
+def test_mooncake_master_listens_on_loopback_only(tmp_path):
+    _mooncake_or_fail()
+    from mindspeed_flow.pool.mooncake import MooncakeServer
+
+    with MooncakeServer(log=tmp_path / "master.log") as server:
+        listeners = _tree_listeners(server.process.pid)
+        ports = {item["port"] for item in listeners}
+        assert {server.rpc_port, server.metrics_port} <= ports, listeners
+        assert _wide(listeners) == [], listeners
+
+
+_MOONCAKE_CLIENT = r'''
+import json, os, sys
+from mindspeed_flow.loopback import beyond_loopback
+from mindspeed_flow.pool import BackendUnavailable, open_pool
+options = json.loads(sys.argv[1])
+try:
+    open_pool("mooncake", capacity_bytes=1 << 20, name="loop", **options)
+    refused = None
+except BackendUnavailable as exc:
+    refused = str(exc)
+before = beyond_loopback([os.getpid()])
+pool = open_pool("mooncake", capacity_bytes=1 << 20, name="loop", listen_beyond_loopback=True, **options)
+wide = sorted(f"{i.host}:{i.port}" for i in beyond_loopback([os.getpid()]))
+print(json.dumps({"refused": refused, "before": [str(i) for i in before], "wide": wide,
+                  "reported": sorted(f"{i.host}:{i.port}" for i in pool.wide_listeners)}))
+pool.close()
+os._exit(0)  # Mooncake's client threads do not always let the interpreter end
+'''
+
+
+def test_mooncake_client_is_refused_unless_opted_in_and_names_what_it_opens(tmp_path):
+    """No Mooncake option binds a client's listeners (the transfer engine's handshake port
+    and its TCP transport): without the opt-in the backend refuses to start; with it, those
+    are the only listeners beyond loopback, and the pool names them."""
+    _mooncake_or_fail()
+    from mindspeed_flow.pool.mooncake import OPT_IN_ENV, MooncakeServer
+
+    with MooncakeServer(log=tmp_path / "master.log") as server:
+        env = {k: v for k, v in os.environ.items() if k != OPT_IN_ENV}
+        proc = subprocess.run([sys.executable, "-c", _MOONCAKE_CLIENT, json.dumps(server.options)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        out = last_json(proc)
+        assert _wide(_tree_listeners(server.process.pid)) == []
+    assert OPT_IN_ENV in out["refused"] and "listen_beyond_loopback=True" in out["refused"], out
+    assert out["before"] == [] and out["wide"] and out["wide"] == out["reported"], out
+
+
+def test_mooncake_opt_in_from_the_environment():
+    from mindspeed_flow.pool.mooncake import OPT_IN_ENV, listen_opt_in
+
+    assert not listen_opt_in(None, {}) and listen_opt_in(None, {OPT_IN_ENV: "1"})
+    assert not listen_opt_in(False, {OPT_IN_ENV: "1"}) and listen_opt_in(True, {})
