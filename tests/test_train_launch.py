@@ -33,6 +33,13 @@ def test_shipped_configs_load(name):
     ("model:\n  llm_layers: 2.5\n", r"model\.llm_layers: expected int, got float 2\.5"),
     ("layout:\n  world_size: 3\n", r"layout\.baseline_pp: 2 does not divide layout\.world_size 3"),
     ("layout:\n  pool_backend: nfs\n", r"layout\.pool_backend: 'nfs' is not one of"),
+    ("layout:\n  max_ahead: 0\n", r"layout\.max_ahead: must be >= 1, got 0"),
+    ("layout:\n  flow_encoder_dp: 0\n", r"layout\.flow_encoder_dp: must be >= 1, got 0"),
+    ("layout:\n  flow_backbone_pp: -1\n", r"layout\.flow_backbone_pp: must be >= 1, got -1"),
+    ("layout:\n  flow_backbone_dp: 0\n", r"layout\.flow_backbone_dp: must be >= 1, got 0"),
+    ("layout:\n  world_size: 0\n", r"layout\.world_size: must be >= 1, got 0"),
+    ("data:\n  max_pixels: 0\n", r"data\.max_pixels: must be >= 1, got 0"),
+    ("data:\n  make_demo: yes please\n", r"data\.make_demo: expected bool, got str"),
     ("layout:\n  best_baseline_pp: 3\n", r"layout\.best_baseline_pp: 3 must be >= 1 and divide layout\.world_size 4"),
     ("layout:\n  best_baseline_pp: 2\n", r"layout\.best_baseline_pp: 2 is layout\.baseline_pp already"),
     ("- a\n- b\n", r"the top level must be a mapping"),
@@ -75,6 +82,27 @@ def test_cli_prints_a_config_error_without_a_traceback(tmp_path, capsys):
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}: steps: must be >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_a_missing_data_path_is_refused_naming_it_unless_the_config_makes_the_demo(tmp_path, capsys):
+    """A typo in data.path exits 2 naming the path and makes nothing (it used to train on a
+    generated demo corpus with rc 0); ``data.make_demo: true`` makes the demo corpus there."""
+    from mindspeed_flow.cli import main
+    from mindspeed_flow.train.feed import ensure_corpus
+
+    missing = tmp_path / "corpra" / "typo"
+    path = tmp_path / "typo.yaml"
+    path.write_text(f"data:\n  path: {missing}\n")
+    assert main(["train", str(path), "--no-resume-check"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: data.path: {missing} does not exist" in err and "data.make_demo: true" in err, err
+    assert "Traceback" not in err and not missing.exists() and not missing.parent.exists()
+    (tmp_path / "empty").mkdir()
+    path.write_text(f"data:\n  path: {tmp_path / 'empty'}\n  make_demo: true\n")
+    with pytest.raises(ConfigError, match=r"data\.path: .*empty exists but holds no \.json/\.jsonl"):
+        ensure_corpus(load_config(path))
+    path.write_text(f"data:\n  path: {missing}\n  make_demo: true\n  samples: 8\n")
+    assert ensure_corpus(load_config(path)) == missing and any(missing.glob("*.jsonl"))
 
 
 def test_config_overrides_and_float_strings(tmp_path):

@@ -18,6 +18,9 @@ from typing import Any, Optional
 from mindspeed_flow.train.model import ModelConfig
 
 POOL_BACKENDS = ("local", "shm", "torch")
+# layout keys that count ranks or microbatches: each must be >= 1 (checked at load, naming the key)
+LAYOUT_POSITIVE = ("world_size", "baseline_pp", "flow_encoder_dp", "flow_backbone_pp", "flow_backbone_dp",
+                   "max_ahead")
 
 
 class ConfigError(ValueError):
@@ -26,8 +29,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The demo corpus (made with ``make_demo_corpus(path, samples, seed)`` when ``path``
-    has none) and how it is cut into steps.  Each step is ``packs_per_step`` packs of at
+    """The corpus at ``path`` and how it is cut into steps.  ``make_demo: true`` (the demo
+    and CI configs) makes the demo corpus there with ``make_demo_corpus(path, samples,
+    seed)`` when ``path`` does not exist; otherwise a missing ``path`` is an error naming it
+    (a typo must not train on generated data).  Each step is ``packs_per_step`` packs of at
     most ``capacity`` tokens, the same samples for both runs; the baseline pads them into
     microbatches of ``micro_batch_size`` samples."""
 
@@ -39,6 +44,7 @@ class DataConfig:
     micro_batch_size: int = 2
     max_pixels: int = 50176
     num_workers: int = 1
+    make_demo: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,12 +149,13 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
     problems = []
     positive = {"steps": cfg.steps, "data.samples": cfg.data.samples, "data.capacity": cfg.data.capacity,
                 "data.packs_per_step": cfg.data.packs_per_step, "data.micro_batch_size": cfg.data.micro_batch_size,
-                "layout.world_size": cfg.layout.world_size, "layout.baseline_pp": cfg.layout.baseline_pp,
                 "parity_steps": cfg.parity_steps}
+    lay = cfg.layout
+    positive.update({f"layout.{key}": getattr(lay, key) for key in LAYOUT_POSITIVE})
+    positive["data.max_pixels"] = cfg.data.max_pixels
     problems += [f"{key}: must be >= 1, got {value}" for key, value in positive.items() if value < 1]
     if cfg.data.num_workers < 0:
         problems.append(f"data.num_workers: must be >= 0, got {cfg.data.num_workers}")
-    lay = cfg.layout
     if lay.baseline_pp >= 1 and lay.world_size % lay.baseline_pp:
         problems.append(f"layout.baseline_pp: {lay.baseline_pp} does not divide layout.world_size {lay.world_size}")
     if not lay.use_allocator and lay.flow_backbone_dp * (lay.flow_encoder_dp + lay.flow_backbone_pp) != lay.world_size:

@@ -40,19 +40,25 @@ class StepData:
 
 
 def ensure_corpus(cfg: "TrainConfig") -> Path:
-    """The corpus directory of ``cfg.data``; made with ``make_demo_corpus`` when it does not
-    exist yet (then it is the demo corpus of ``data.samples`` records and ``data.seed``).
+    """The corpus directory of ``cfg.data``.  When it does not exist: made with
+    ``make_demo_corpus`` (the demo corpus of ``data.samples`` records and ``data.seed``) if
+    the config says ``data.make_demo: true``, else :class:`ConfigError` naming the path (a
+    typo in ``data.path`` must not train on generated data).
 
     Several processes may get here at once (every rank under torchrun): each writes a
     private copy and renames it into place; the first rename wins, the others are dropped
     (the corpus is deterministic, so every copy is the same)."""
     from mindspeed_flow.data.demo import make_demo_corpus
+    from mindspeed_flow.train.config import ConfigError
 
     path = Path(cfg.data.path)
     if path.exists():
         if not any(path.glob("*.json*")):
-            raise FileNotFoundError(f"data.path {path} exists but holds no .json/.jsonl corpus shards")
+            raise ConfigError(f"data.path: {path} exists but holds no .json/.jsonl corpus shards")
         return path
+    if not cfg.data.make_demo:
+        raise ConfigError(f"data.path: {path} does not exist ({path.resolve()}); fix the path, or set "
+                          "data.make_demo: true to make the demo corpus there")
     path.parent.mkdir(parents=True, exist_ok=True)
     private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

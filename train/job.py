@@ -277,7 +277,11 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"mindspeed-flow train: {exc}", file=sys.stderr)
         return 2
-    cfg = with_tokenizer(cfg)  # makes the corpus first if missing, before the ranks start
+    try:
+        cfg = with_tokenizer(cfg)  # makes the demo corpus first (data.make_demo), before the ranks start
+    except ConfigError as exc:  # data.path missing (and no data.make_demo) or empty
+        print(f"mindspeed-flow train: {args.config}: {exc}", file=sys.stderr)
+        return 2
     phases = phases.with_best_baseline(cfg)
     print(f"mindspeed-flow train {args.config}: {cfg.layout.world_size} ranks, {cfg.steps} steps; phases: "
           f"{', '.join(phases.runs) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
