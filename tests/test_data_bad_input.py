@@ -149,3 +149,19 @@ def test_split_policy_in_the_loader_packs_chunks_within_capacity(corpus):
     assert all(b["input_ids"].shape[1] <= CAPACITY for b in batches)
     for b in batches:  # every chunk's first label is masked like any segment's
         assert bool((b["labels"][0, b["cu_seqlens"][:-1].long()] == -100).all())
+
+
+@pytest.mark.parametrize("raw, reason", [
+    ('{"messages": [{"role": "user", "content": "cut off', r"malformed JSON \("),
+    (json.dumps({"messages": "not a list", "images": []}), r"'messages' must be a list of turns, got str 'not a list'"),
+])
+def test_a_bad_record_is_reported_once_with_what_is_wrong(corpus, tmp_path, raw, reason):
+    """The sample id appears once (a malformed line used to print ``x.jsonl:1`` twice) and the
+    reason says what is wrong (``"messages": "not a list"`` used to be "no messages")."""
+    only = tmp_path / "one_bad.jsonl"
+    only.write_text(raw + "\n")
+    (tmp_path / "flow_demo_tokenizer.json").write_bytes((corpus / "flow_demo_tokenizer.json").read_bytes())
+    loader = FlowDataLoader(tmp_path, None, capacity=CAPACITY, num_workers=0, bad_input="fail")
+    with pytest.raises(ValueError, match=rf"sample one_bad\.jsonl:1: {reason}") as info:
+        list(loader)
+    assert str(info.value).count("one_bad.jsonl:1") == 1, str(info.value)

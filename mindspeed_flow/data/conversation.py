@@ -32,6 +32,10 @@ def check_conversation(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The messages of ``record``; :class:`BadConversation` (kind ``empty_conversation``)
     when there is nothing to train on: no messages, a message that is not a role/content
     object, a ``system`` that is not a string, or no assistant turn with content."""
+    raw = record.get("messages")
+    if raw is not None and not isinstance(raw, list):
+        raise BadConversation("empty_conversation", f"'messages' must be a list of turns, got {type(raw).__name__} "
+                                                    f"{_short(raw)}")
     messages = _messages(record)
     if not messages:
         raise BadConversation("empty_conversation", "no messages")
@@ -43,6 +47,11 @@ def check_conversation(record: dict[str, Any]) -> list[dict[str, Any]]:
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise BadConversation("empty_conversation", "no assistant turn with content")
     return messages
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _messages(record: dict[str, Any]) -> list[Any]:

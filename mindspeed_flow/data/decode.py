@@ -110,7 +110,7 @@ class Decoder:
                 pixels.append(values)
                 grids.append(grid)
         except MalformedRecord as e:
-            return BadSample(index, place, "malformed_json", str(e))
+            return BadSample(index, place, "malformed_json", e.reason)  # the report names the place
         except (BadConversation, BadImage) as e:
             return BadSample(index, place, e.kind, str(e))
         ids, labels = tokenize_conversation(messages, [image_tokens(g) for g in grids], self.tokenizer,

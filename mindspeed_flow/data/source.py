@@ -32,7 +32,15 @@ DEMO_TOKENIZER_FILE = "flow_demo_tokenizer.json"  # never read as a shard
 
 
 class MalformedRecord(ValueError):
-    """A record that is not valid JSON or not a JSON object."""
+    """A record that is not valid JSON or not a JSON object: ``str()`` is ``place: reason``;
+    ``reason`` alone is what a report that names the place itself adds."""
+
+    def __init__(self, place: str, reason: str) -> None:
+        super().__init__(place, reason)
+        self.place, self.reason = place, reason
+
+    def __str__(self) -> str:
+        return f"{self.place}: {self.reason}"
 
 
 @dataclass
@@ -106,7 +114,7 @@ class Corpus:
                 raw = f.read(end - start)
             record = _parse(raw, shard.place(local), dict, "a record")
         if not isinstance(record, dict):
-            raise MalformedRecord(f"{shard.place(local)}: a record must be a JSON object, got {type(record).__name__}")
+            raise MalformedRecord(shard.place(local), f"a record must be a JSON object, got {type(record).__name__}")
         return record
 
     def _json_list(self, shard: Shard) -> list[Any]:
@@ -126,10 +134,10 @@ def _parse(raw: bytes, place: str, expected: type, what: str) -> Any:
     try:
         value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MalformedRecord(f"{place}: malformed JSON ({e})") from None
+        raise MalformedRecord(place, f"malformed JSON ({e})") from None
     if not isinstance(value, expected):
         kind = "object" if expected is dict else expected.__name__
-        raise MalformedRecord(f"{place}: {what} must be a JSON {kind}, got {type(value).__name__}")
+        raise MalformedRecord(place, f"{what} must be a JSON {kind}, got {type(value).__name__}")
     return value
 
 
