@@ -18,9 +18,12 @@ fails (a peer's process died and its sockets closed), or after ``timeout_s``.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -114,25 +117,75 @@ class Pending:
 
 
 class Waiter:
-    """A daemon thread calling the blocking ``wait()`` of requests, in the order given."""
+    """A daemon thread calling the blocking ``wait()`` of requests, in the order given.
+
+    Stopped at interpreter exit (:func:`stop_waiters`, an ``atexit`` handler, which runs
+    while the interpreter is still whole): a daemon thread that is inside a C++ ``wait()``
+    when the interpreter finalizes is killed with ``pthread_exit`` as soon as the wait
+    returns and it asks for the GIL, which unwinds through C++ frames that may not be
+    unwound and ends the process with ``terminate called without an active exception``
+    (SIGABRT, issue 19 defect 5).  So at exit each waiter gets a stop marker after its
+    requests and is joined; one still inside a request that does not complete within
+    :data:`EXIT_GRACE_S` is named in a warning.  ``_loop`` keeps no reference to a request
+    it finished (its buffers and the backend's work object are freed while Python runs).
+    """
 
     def __init__(self, name: str) -> None:
-        self.queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self.queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
+        self.current: Pending | None = None  # the request whose wait() runs now
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+        _WAITERS.add(self)
 
     def submit(self, work: Any, buffers: tuple = (), what: Callable[[], str] = str) -> Pending:
         pending = Pending(work, buffers, what)
         self.queue.put(pending)
         return pending
 
+    def stop(self, timeout: float | None = None) -> bool:
+        """Let the thread finish the requests submitted so far and end; ``True`` once it
+        has ended (within ``timeout`` seconds)."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
+
     def _loop(self) -> None:
         while True:
             pending = self.queue.get()
+            if pending is None:
+                return
+            self.current = pending
             try:
                 pending.work.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the program thread
                 pending.error = exc
+            self.current = None
             pending.done.set()
+            del pending  # nothing of a finished request stays referenced by this thread
+
+
+EXIT_GRACE_S = 5.0
+_WAITERS: "weakref.WeakSet[Waiter]" = weakref.WeakSet()
+
+
+def stop_waiters(timeout_s: float = EXIT_GRACE_S) -> list[str]:
+    """Stop every live :class:`Waiter` (see its docstring); returns a description of each
+    one that is still inside a request after ``timeout_s`` in all."""
+    deadline = time.monotonic() + timeout_s
+    stuck = []
+    for waiter in list(_WAITERS):
+        if not waiter.stop(max(0.0, deadline - time.monotonic())):
+            current = waiter.current
+            stuck.append(f"{waiter.thread.name}: {current.what() if current is not None else 'a request'}")
+    if stuck:
+        logging.getLogger("mindspeed_flow.runtime").warning(
+            "mindspeed-flow runtime: at exit, %d waiter thread(s) are still inside a transfer that did not "
+            "complete (%s); the process may abort when the interpreter finalizes", len(stuck), "; ".join(stuck))
+    return stuck
+
+
+atexit.register(stop_waiters)
 
 
 def wait(pending: Pending, policy: WaitPolicy, board: AbortBoard) -> None:
