@@ -43,12 +43,22 @@ def test_flag_selects_the_backend(tmp_path):
 
 
 def test_doctor_reports_each_backend(monkeypatch):
+    """The same on every machine, with the mooncake package or without it: each reason is
+    planted (the package importable but no master binary; then the package missing)."""
     report = pool_report()
     assert "local      can run here" in report and "memfabric  cannot run here" in report
     import mindspeed_flow.pool.mooncake as mooncake
+    from mindspeed_flow.pool import BackendUnavailable
 
+    monkeypatch.setattr(mooncake, "import_store", lambda: (object, object))  # as if installed
     monkeypatch.setattr(mooncake, "master_binary", lambda: None)
     assert "mooncake   cannot run here: mooncake_master is not on PATH" in pool_report()
+
+    def missing():
+        raise BackendUnavailable("pool backend 'mooncake': cannot import mooncake.store (planted)")
+
+    monkeypatch.setattr(mooncake, "import_store", missing)
+    assert "mooncake   cannot run here: pool backend 'mooncake': cannot import mooncake.store (planted)" in pool_report()
 
 
 def test_bad_input_is_refused_naming_the_key():
@@ -143,3 +153,31 @@ def test_memfabric_is_refused_with_its_reason_on_every_machine(tmp_path, monkeyp
                         lambda name, *a: object() if name == "memfabric_hybrid" else real_find_spec(name, *a))
     with pytest.raises(BackendUnavailable, match="cannot import memfabric_hybrid .*set_env.sh"):
         open_pool("memfabric", capacity_bytes=1024)
+
+
+def test_a_get_refuses_bytes_that_were_released_and_overwritten_while_it_read():
+    """The check after the read: the object is released and another put reuses its bytes
+    while a get is copying them; the get refuses (naming the key) instead of returning a
+    mix of both objects."""
+    from mindspeed_flow.pool import StaleHandle
+
+    pool = open_pool("local", capacity_bytes=1024, name="reread", owner="p0")
+    try:
+        handle = pool.put("k", torch.zeros(100))
+        real_read = pool.read
+
+        def read_then_overwrite(h):
+            payload = real_read(h)
+            pool.release("k")
+            assert pool.put("k", torch.ones(100)).offset == h.offset  # the same bytes, reused
+            return payload
+
+        pool.read = read_then_overwrite
+        with pytest.raises(StaleHandle, match=r"pool get \[k\]: stale handle .*released and put again while it was "
+                                              r"being read"):
+            pool.get(handle)
+        pool.read = real_read
+        assert pool.get("k").equal(torch.ones(100))
+    finally:
+        pool.close()
+        drop("reread")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Pool, microbatch_key
-from .errors import BackendUnavailable, PoolError, PoolFull, PoolTimeout, ProducerDied
+from .errors import BackendUnavailable, BadHandle, PoolError, PoolFull, PoolTimeout, ProducerDied, StaleHandle
 from .handle import Handle
 
 BACKENDS = ("local", "shm", "torch", "mooncake", "memfabric")
@@ -56,5 +56,5 @@ def open_pool(backend: str, capacity_bytes: int = 1 << 30, **options: Any) -> Po
     raise ValueError(f"open_pool: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "Handle", "Pool", "PoolError", "PoolFull", "PoolTimeout",
-           "ProducerDied", "microbatch_key", "open_pool"]
+__all__ = ["BACKENDS", "BackendUnavailable", "BadHandle", "Handle", "Pool", "PoolError", "PoolFull", "PoolTimeout",
+           "ProducerDied", "StaleHandle", "microbatch_key", "open_pool"]
