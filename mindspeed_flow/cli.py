@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "mindspeed_flow.recipes.average_cli",
     "mindspeed_flow.train.cli",
     "mindspeed_flow.selftest",
+    "mindspeed_flow.pool.cli",
 )
 
 

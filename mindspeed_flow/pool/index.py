@@ -8,7 +8,7 @@ import os
 import threading
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 
 class Index(Protocol):
@@ -72,6 +72,14 @@ class FileIndex:
 
     def has(self, key: str) -> bool:
         return self.path(key).exists()
+
+    def keys(self, prefix: str) -> list[str]:
+        """The keys that start with ``prefix`` (none when the directory is gone)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(key for key in map(unquote, names) if key.startswith(prefix) and not key.startswith("."))
 
 
 class StoreIndex:
