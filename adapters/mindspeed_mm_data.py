@@ -26,7 +26,11 @@ With ``--flow-packing``:
   before the schedule's first transfer, every rank of the replica takes part in one
   collective that moves the step's batches from the decoding rank to its TP/PP peers
   (:mod:`mindspeed_flow.data.handoff`); ``next(data_iterator)`` inside ``forward_step``
-  never communicates, so a later pipeline stage cannot deadlock the first.
+  never communicates, so a later pipeline stage cannot deadlock the first.  With several
+  model chunks per rank (``--virtual-pipeline-model-parallel-size``) Megatron builds the
+  loaders once per chunk: the later chunks get the first chunk's loader back and a
+  :class:`~mindspeed_flow.data.handoff.ChunkView` of its iterator (the step's batches again,
+  as upstream's per-chunk copies of one loader yield them), so nothing is decoded twice.
 - ``save_checkpoint`` also writes each decoding rank's loader state,
   ``flow_loader_dprank{DP:03d}.pt`` in the checkpoint's directory (Megatron's
   ``get_checkpoint_name`` layout).
@@ -48,7 +52,7 @@ import torch
 from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.accounting import record_microbatch
 from mindspeed_flow.data.batch import completed_samples, pack_multiple, real_tokens
-from mindspeed_flow.data.handoff import StepBatches
+from mindspeed_flow.data.handoff import ChunkView, StepBatches
 
 from .mindspeed_mm import _argument
 
@@ -320,6 +324,10 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     from megatron.training import get_args
 
     margs = get_args()
+    chunk = mpu.get_virtual_pipeline_model_parallel_rank() or 0
+    shared = _CHUNK_LOADERS.get(_spec_key(spec)) if chunk > 0 else None
+    if shared is not None:
+        return shared  # the first model chunk's loader: its iterator serves this chunk too (ChunkView)
     if margs.micro_batch_size != 1:
         raise ValueError(f"--flow-packing: a microbatch is one pack (B = 1); set --micro-batch-size 1 "
                          f"(got {margs.micro_batch_size}); --seq-length {margs.seq_length} is the pack capacity")
@@ -348,7 +356,18 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         else:
             log.warning("--flow-packing: no loader state %s for iteration %d: the data starts from the first "
                         "epoch again (samples seen before the checkpoint may repeat)", path, margs.iteration)
+    if mpu.get_virtual_pipeline_model_parallel_world_size():
+        _CHUNK_LOADERS[_spec_key(spec)] = loader
     return loader
+
+
+# Megatron builds the data iterators once per model chunk (virtual pipeline rank set); upstream's
+# chunks get copies of one loader.  The first chunk's loader, by spec, serves the later chunks.
+_CHUNK_LOADERS: dict = {}
+
+
+def _spec_key(spec: "FlowDatasetSpec") -> str:
+    return repr(spec)
 
 
 def build_iterations(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -358,8 +377,15 @@ def build_iterations(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         return wrapped(*args, **kwargs)
     if any(dl is not None and not isinstance(dl, FlowDataLoader) for dl in loaders):
         raise TypeError("--flow-packing: all of train/valid/test loaders must be FlowDataLoaders or none")
-    return tuple(None if dl is None else FlowTrainIterator(dl, split)
+    return tuple(None if dl is None else _chunk_view(dl) or FlowTrainIterator(dl, split)
                  for dl, split in zip(loaders, ("train", "valid", "test")))
+
+
+def _chunk_view(loader: FlowDataLoader) -> Optional[ChunkView]:
+    """A later model chunk's iterator over the first chunk's loader: a view of that chunk's
+    iterator (the same batches, nothing decoded or handed off twice); ``None`` otherwise."""
+    primary = next((it for it in list(_LIVE) if it.loader is loader), None)
+    return None if primary is None else ChunkView(primary)
 
 
 def save_checkpoint(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

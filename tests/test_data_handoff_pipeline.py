@@ -118,3 +118,65 @@ def test_pp2_packing_loader_runs_under_the_schedule(corpus, flags):
 
 def test_pp4_packing_loader_runs_under_the_flow_runtime(corpus):
     _check(launch(_worker, 4, str(corpus), ["--flow-packing", "--flow-schedule"], timeout_s=240), 4)
+
+
+def _interleaved_worker(rank, world_size, corpus, flags):
+    """PP=2 with two model chunks per rank: chunk 1's iterator is a ChunkView of chunk 0's."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron_cpu_harness import TinyGPTSpec, build_interleaved_chunks, megatron_virtual_parallel
+
+    from mindspeed_flow.activation import deactivate
+    from mindspeed_flow.adapters.mindspeed_mm_data import FlowTrainIterator
+    from mindspeed_flow.data import FlowDataLoader
+    from mindspeed_flow.data.handoff import ChunkView
+    from mindspeed_flow.patches import activate
+
+    spec = TinyGPTSpec(num_microbatches=MICROBATCHES, micro_batch_size=1)
+    seen: dict[int, list] = {0: [], 1: []}
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        seen[chunks.index(model)].append(list(batch["sample_ids"]))
+        tokens, labels = _tokens(batch, spec)
+        positions = torch.arange(spec.seq_length).unsqueeze(0)
+        return model(tokens, positions, None, labels=labels), loss_func
+
+    activate(flags, environ={})
+    try:
+        with megatron_virtual_parallel(world_size, 2):
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            source = corpus if dist.get_rank() == 0 else corpus + "/does-not-exist"
+            loader = FlowDataLoader(source, None, capacity=512, num_workers=0, window=4,
+                                    group=parallel_state.get_model_parallel_group(), pp_size=world_size,
+                                    step_packs=MICROBATCHES, max_pixels=112 * 112)
+            primary = FlowTrainIterator(loader)
+            iterators = [RerunDataIterator(primary), RerunDataIterator(ChunkView(primary))]
+            chunks = build_interleaved_chunks(spec, 2)
+            losses = []
+            for forward_only in [False] * STEPS + [True]:
+                out = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iterators, model=chunks,
+                    num_microbatches=MICROBATCHES, seq_length=spec.seq_length, micro_batch_size=1,
+                    forward_only=forward_only)
+                losses.append(len(out))
+    finally:
+        deactivate()
+    return {"packs": loader.stats.packs, "seen": seen, "losses": losses, "handoffs": primary.handoffs}
+
+
+@pytest.mark.parametrize("flags", [["--flow-packing"], ["--flow-packing", "--flow-schedule"]],
+                         ids=["megatron-interleaved", "flow-runtime"])
+def test_interleaved_chunks_share_one_loader(corpus, flags):
+    first, last = launch(_interleaved_worker, 2, str(corpus), flags, timeout_s=150)
+    assert first["packs"] == (STEPS + 1) * MICROBATCHES and last["packs"] == 0  # decoded once per replica
+    assert all(r["handoffs"] == STEPS + 1 for r in (first, last))
+    for r in (first, last):
+        assert r["seen"][1] == r["seen"][0] == first["seen"][0]  # each chunk, each stage: stage 0's packs
+    assert last["losses"] == [MICROBATCHES] * (STEPS + 1)

@@ -22,7 +22,9 @@ kept batch, never communicates.  So:
 - exact resume unchanged: the loader's state lives on the decoding rank and is saved at a
   checkpoint, after the step consumed every batch it handed off (a batch still kept then is
   reported by :attr:`StepBatches.kept`);
-- without a group (a replica of one rank), ``next()`` reads the loader directly.
+- without a group (a replica of one rank), ``next()`` reads the loader directly;
+- several model chunks on one rank (the interleaved schedule) share one loader: the first
+  chunk's iterator hands off, the others are :class:`ChunkView` s of it.
 
 At ``pp_size == 1`` (TP peers, which ask for each batch at the same time) a ``next()`` that
 finds no kept batch hands off that one batch (the peers' ``next()`` meet in the collective);
@@ -48,6 +50,7 @@ class StepBatches:
         self.loader = loader
         self._epoch: Optional[Iterator[dict[str, Any]]] = None
         self._kept: deque[dict[str, Any]] = deque()
+        self._step: list[dict[str, Any]] = []  # the latest hand-off's batches (for ChunkView)
         self.handoffs = 0  # collectives run (steps handed off)
         self.dropped = 0  # kept batches a step did not take, dropped at the next hand-off
 
@@ -92,6 +95,7 @@ class StepBatches:
         else:
             batches = broadcast.receive_step(loader.src, loader.group, loader.device)
         self.handoffs += 1
+        self._step = [dict(b) for b in batches]  # as handed: forward_step may change the dicts it gets
         self._kept.extend(batches)
 
     def __next__(self) -> dict[str, Any]:
@@ -108,3 +112,33 @@ class StepBatches:
                 "hand-off active?)")
         self.handoff(1)  # TP peers only: they all ask for this batch now
         return self._kept.popleft()
+
+
+class ChunkView:
+    """Another model chunk's iterator on the same rank (the interleaved schedule): the
+    batches ``primary`` was handed for the current step, in order, read again.
+
+    Megatron builds one data iterator per model chunk; upstream's are copies of the same
+    loader and yield the same batches, so chunk ``c`` of microbatch ``m`` reads what chunk 0
+    of microbatch ``m`` read.  A view gives exactly that without a second loader: nothing is
+    decoded or handed off twice.  Its position restarts at each of the primary's hand-offs."""
+
+    def __init__(self, primary: StepBatches) -> None:
+        self.primary = primary
+        self._handoff = -1
+        self._next = 0
+
+    def __iter__(self) -> "ChunkView":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        primary = self.primary
+        if primary.loader.group is None:
+            raise RuntimeError("ChunkView: the primary iterator has no group, so no step is handed off to read again")
+        if primary.handoffs != self._handoff:
+            self._handoff, self._next = primary.handoffs, 0
+        if self._next >= len(primary._step):
+            raise RuntimeError(f"ChunkView: this chunk asked for batch {self._next + 1} of a step that was handed "
+                               f"{len(primary._step)}")
+        self._next += 1
+        return dict(primary._step[self._next - 1])

@@ -1,0 +1,120 @@
+"""The real job at PP >= 2 (issue 19, defects 1, 5 and 9): MindSpeed-MM's own ``pretrain_vlm.py``
+under torchrun on gloo ranks (``realjob.py``), 8 iterations each.
+
+- 1: ``--use-flowtrain`` (the packing loader decoding on the first stage only) at PP=2 and PP=4,
+  under the plugin's runtime and under Megatron's own 1F1B (``--no-flow-schedule``), finishes
+  (it deadlocked in the first step: stage 1 asked for its batch after a receive, inside a
+  broadcast stage 0 could not leave); every stage is fed the first stage's batches; the
+  per-iteration samples equal PP=1's (the same packs, only their order within a step
+  differs); the two schedules give the same losses; evaluation (``forward_only``) through the
+  packing loader's validation split runs at PP=4 under the runtime.
+- 5: no run aborts at exit ("terminate called without an active exception").
+- 9: ``--flow-schedule`` under the interleaved schedule (PP=2, 2 virtual stages) finishes and
+  equals upstream's interleaved run loss for loss (it crashed in step 1 with a dtype mismatch:
+  no virtual pipeline rank was set per chunk); ``--use-flowtrain`` runs interleaved too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+
+from realjob import RealJob, RealRun
+from test_real_job import FLOW, JOBS, assert_consumed_is_fed, assert_finished, per_iteration_fed
+
+ITERS = 8
+K = 4
+ONE_F_ONE_B = FLOW + ("--no-flow-schedule",)
+
+PIPELINE_JOBS = {
+    "flow_pp2": RealJob(pp=2, plugin=FLOW),
+    "flow_pp2_1f1b": RealJob(pp=2, plugin=ONE_F_ONE_B),
+    "flow_pp4_eval": RealJob(pp=4, plugin=FLOW, val_rate=0.25, eval_interval=K),
+    "flow_pp4_1f1b": RealJob(pp=4, plugin=ONE_F_ONE_B),
+    "up_vpp2": RealJob(pp=2, vpp=2),
+    "sched_vpp2": RealJob(pp=2, vpp=2, plugin=("--flow-schedule",)),
+    "flow_vpp2": RealJob(pp=2, vpp=2, plugin=FLOW),
+}
+
+
+def run(real_jobs, name: str) -> RealRun:
+    jobs = {**JOBS, **PIPELINE_JOBS}
+    return real_jobs.run(name, jobs[name])
+
+
+def assert_clean_exit(run: RealRun) -> None:
+    assert run.returncode == 0
+    assert "terminate called" not in run.output, run.output[-3000:]
+
+
+def stage_batches(run: RealRun, training: bool = True) -> dict[int, dict[int, list]]:
+    """pp rank -> iteration -> the sample rows each forward of that stage got (chunk 0, TP 0)."""
+    out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for b in run.batches:
+        if b["training"] == training and b.get("tp", 0) == 0 and b.get("vpp") in (None, 0):
+            out[b["pp"]][b["iteration"]].append([[tuple(r["tags"]) for r in row] for row in b["rows"]])
+    return out
+
+
+@pytest.mark.parametrize("name", ["flow_pp2", "flow_pp2_1f1b", "flow_pp4_eval", "flow_pp4_1f1b"])
+def test_flowtrain_pipeline_finishes_and_feeds_every_stage_the_first_stages_packs(real_jobs, name):
+    r = run(real_jobs, name)
+    assert_clean_exit(r)
+    assert_finished(r)
+    assert_consumed_is_fed(r)
+    stages = stage_batches(r)
+    assert sorted(stages) == list(range(r.job.pp))
+    assert all(b["cu_seqlens"] for b in r.batches if b["training"])  # packs, on every stage
+    for pp in range(1, r.job.pp):
+        assert stages[pp] == stages[0], (pp, name)  # handed over, in the same order
+
+
+@pytest.mark.parametrize("name", ["flow_pp2", "flow_pp4_1f1b"])
+def test_flowtrain_pipeline_feeds_the_samples_pp1_feeds(real_jobs, name):
+    pp1 = run(real_jobs, "flow_pp1")
+    fed, fed1 = per_iteration_fed(run(real_jobs, name)), per_iteration_fed(pp1)
+    for i in range(1, ITERS + 1):
+        assert Counter(fed[i]) == Counter(fed1[i]), i
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_runtime_and_megatron_1f1b_give_the_same_losses_with_the_packing_loader(real_jobs, pp):
+    ours = run(real_jobs, "flow_pp2" if pp == 2 else "flow_pp4_eval")
+    theirs = run(real_jobs, f"flow_pp{pp}_1f1b")
+    assert per_iteration_fed(ours) == per_iteration_fed(theirs)
+    assert ours.exact_losses == theirs.exact_losses
+
+
+def test_evaluation_runs_through_the_packing_loader_at_pp4(real_jobs):
+    r = run(real_jobs, "flow_pp4_eval")
+    assert r.evaluated, "nothing was evaluated"
+    stages = stage_batches(r, training=False)
+    assert sorted(stages) == [0, 1, 2, 3]
+    for pp in range(1, 4):
+        assert stages[pp] == stages[0]
+    held_out = {t for _, _, tags in r.evaluated for t in tags}
+    assert not held_out & set(r.fed_samples()), "a held-out sample was trained on"
+
+
+def test_flow_schedule_interleaved_equals_upstream_interleaved(real_jobs):
+    up, ours = run(real_jobs, "up_vpp2"), run(real_jobs, "sched_vpp2")
+    for r in (up, ours):
+        assert_clean_exit(r)
+        assert_finished(r)
+    assert per_iteration_fed(ours) == per_iteration_fed(up)
+    assert ours.exact_losses == up.exact_losses
+
+
+def test_flowtrain_runs_interleaved(real_jobs):
+    r = run(real_jobs, "flow_vpp2")
+    assert_clean_exit(r)
+    assert_finished(r)
+    assert_consumed_is_fed(r)
+    chunks = defaultdict(lambda: defaultdict(list))
+    for b in r.batches:
+        if b["training"] and b.get("tp", 0) == 0:
+            chunks[(b["pp"], b.get("vpp") or 0)][b["iteration"]].append(
+                [[tuple(x["tags"]) for x in row] for row in b["rows"]])
+    first = chunks[(0, 0)]
+    assert first and all(c == first for c in chunks.values()), sorted(chunks)
