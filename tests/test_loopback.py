@@ -90,6 +90,31 @@ def test_train_job_store_and_ranks_listen_on_loopback_only():
     assert _wide(listeners) == [], listeners
 
 
+def _report_tree_after_collective(env, emit):
+    """As ``_report_tree``, after a collective on the rank's device (NCCL sets up its
+    bootstrap sockets lazily, at the first collective)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(1, device=env.device)
+    dist.all_reduce(tensor)
+    out = _tree_listeners(os.getppid()) if env.rank == 0 else None
+    dist.barrier()
+    return {"listeners": out, "backend": env.backend}
+
+
+def test_train_job_on_gpus_keeps_nccl_on_loopback():
+    """On a machine with a CUDA GPU the spawned ranks use NCCL: its bootstrap listens on
+    loopback too (``NCCL_SOCKET_IFNAME=lo`` unless the user set it)."""
+    from mindspeed_flow.train.launch import cuda_usable, run_world
+
+    if not cuda_usable(1):
+        pytest.skip("needs a CUDA GPU (the NCCL path of the train job)")
+    results, _ = run_world(_report_tree_after_collective, 1, megatron=False, timeout_s=300)
+    assert results[0]["backend"] == "nccl"
+    assert _wide(results[0]["listeners"]) == [], results[0]
+
+
 def _report_tree_bench(rank, world):
     import torch.distributed as dist
 
@@ -176,8 +201,7 @@ def test_torchrun_launch_adds_no_listener_beyond_torchruns_own_store(tmp_path):
     agent, listeners = rank0["agent"], rank0["listeners"]
     ranks = {rank0["me"], rank1["me"]}
     assert {p for item in listeners for p in item["pids"]} & ranks == ranks, listeners  # the ranks' gloo was seen
-    wide = _wide(listeners)
-    assert wide and all(item["pids"] == [agent] for item in wide), listeners  # torch's store, in the agent only
+    assert all(item["pids"] == [agent] for item in _wide(listeners)), listeners  # torch's store, in the agent only
     assert all(is_loopback(item["host"]) for item in listeners if set(item["pids"]) & ranks), listeners
 
 
