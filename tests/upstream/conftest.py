@@ -136,6 +136,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.section("real job (pretrain_vlm.py): stood in / shimmed / wall time")
             for report in jobs.reports:
                 terminalreporter.write_line(report)
-            walls = jobs.wall_s
-            terminalreporter.write_line(f"[real job] {len(walls)} runs, {sum(walls.values()):.0f} s in all: "
-                                        + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()))
+            walls, cpus = jobs.wall_s, jobs.cpu_s
+            terminalreporter.write_line(f"[real job] {len(walls)} runs, {sum(walls.values()):.0f} s wall, "
+                                        f"{sum(cpus.values()):.0f} s CPU in all: "
+                                        + ", ".join(f"{k} {walls[k]:.0f}/{cpus[k]:.0f} s" for k in walls))

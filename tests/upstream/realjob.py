@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -82,7 +83,7 @@ class RealJob:
     extra_args: tuple[str, ...] = ()  # more upstream flags ("--sequence-parallel", ...)
     samples: int = 48
     precision: str = "bf16"
-    lr: float = 1e-4
+    lr: float = 1e-3
     text_layers: Optional[int] = None  # LLM layers (default: 2, or 1 per pipeline stage and chunk)
     model_patch: tuple = ()  # ((dotted.json.path, value), ...) applied to the model JSON last
     data_patch: tuple = ()  # the same for the data JSON
@@ -224,6 +225,7 @@ class RealRun:
     wall_s: float
     records: list[dict] = field(default_factory=list)
     report: str = ""
+    cpu_s: float = 0.0  # CPU seconds of the run's processes (user + system; all ranks and torchrun)
 
     # --- from the log (what Megatron prints on the last rank)
     @property
@@ -277,6 +279,15 @@ class RealRun:
     def evaluated(self) -> list[tuple[int, int, list[int]]]:
         """The same for evaluation forwards (keyed by the training iteration they follow)."""
         return self._fed(False)
+
+    def real_tokens_per_iteration(self) -> dict[int, int]:
+        """{iteration: tokens of the samples fed (padding and tagless filler excluded)}, over DP."""
+        out: dict = defaultdict(int)
+        for b in self.batches:
+            if b.get("training") and b.get("pp", 0) == 0 and b.get("tp", 0) == 0 and b.get("vpp") in (None, 0):
+                out[(b["iteration"] or 0) + 1] += sum(seg["end"] - seg["start"] for row in b["rows"] for seg in row
+                                                      if seg["tags"])
+        return dict(out)
 
     def fed_samples(self) -> list[int]:
         """Every training sample fed, in order (iteration, then DP rank)."""
@@ -401,14 +412,16 @@ def run_real_job(job: RealJob, workdir: Path, check: bool = True, assets: Option
     tools.write_text((sources.mindspeed_mm / "mindspeed_mm" / "tools" / "tools.json").read_text())
     cmd = command(job, script, job.args(workdir, model_json, data_json, tools))
     env = run_env(sources, workdir, made, job)
-    start = time.monotonic()
+    start, usage = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     code, output = _run_in_own_group(cmd, workdir, env, job.timeout_s)
     wall = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
     records = []
     if observe.is_dir():
         for path in sorted(observe.glob("observe_rank*.jsonl")):
             records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    run = RealRun(job, workdir, code, output, cmd, wall, records)
+    run = RealRun(job, workdir, code, output, cmd, wall, records, cpu_s=cpu)
     run.report = describe(run)
     print(run.report)
     if check and code != 0:
@@ -421,7 +434,7 @@ def describe(run: RealRun) -> str:
     standins = run.stood_in
     flags = " ".join(run.job.plugin) or "none (upstream as is)"
     lines = [f"[real job] {name}: pp={run.job.pp} tp={run.job.tp} dp={run.job.dp} plugin: {flags}; "
-             f"launch {run.job.launch}; rc {run.returncode}; {run.wall_s:.0f} s; "
+             f"launch {run.job.launch}; rc {run.returncode}; {run.wall_s:.0f} s wall, {run.cpu_s:.0f} s CPU; "
              f"{len(run.losses)} iterations logged",
              f"[real job] {name}: stood in: torch_npu ({len(standins['torch_npu'])}): "
              f"{', '.join(sorted(standins['torch_npu']))}",
@@ -461,3 +474,7 @@ class RealJobs:
     @property
     def wall_s(self) -> dict[str, float]:
         return {name: run.wall_s for name, (_, run) in self._done.items()}
+
+    @property
+    def cpu_s(self) -> dict[str, float]:
+        return {name: run.cpu_s for name, (_, run) in self._done.items()}
