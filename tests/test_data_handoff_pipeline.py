@@ -180,3 +180,28 @@ def test_interleaved_chunks_share_one_loader(corpus, flags):
     for r in (first, last):
         assert r["seen"][1] == r["seen"][0] == first["seen"][0]  # each chunk, each stage: stage 0's packs
     assert last["losses"] == [MICROBATCHES] * (STEPS + 1)
+
+
+def _failure_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from mindspeed_flow.data import broadcast
+
+    group = dist.new_group([0, 1])
+    if rank == 0:
+        broadcast.send_failure("ValueError: corrupt_image: a.jsonl sample 3 (policy: fail)", 0, group,
+                               torch.device("cpu"))
+        return "sent"
+    try:
+        broadcast.receive_step(0, group, torch.device("cpu"))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_decoder_failure_reaches_the_waiting_peers():
+    """The decoding rank failing while it makes a step's batches tells its peers, which are
+    waiting in the hand-off, instead of leaving them in the collective."""
+    _, peer = launch(_failure_worker, 2, timeout_s=60)
+    assert peer == ("the decoding rank 0 failed to produce this step's batches: "
+                    "ValueError: corrupt_image: a.jsonl sample 3 (policy: fail)")

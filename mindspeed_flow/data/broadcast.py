@@ -5,6 +5,11 @@ loader, decoding the same images again.  Here the source rank sends a small head
 keys, dtypes and shapes, the sample ids; or "end of epoch") with
 ``broadcast_object_list`` and then each tensor with ``broadcast``, over the group of the
 replica's peers.  Works with gloo (CPU tensors) and with nccl/hccl (tensors on ``device``).
+
+A training loop uses the step hand-off instead (:func:`send_step` / :func:`receive_step`,
+driven by :class:`.handoff.StepBatches`): all of one step's batches in one header and one
+broadcast per dtype, at a point every peer reaches before the step's first point-to-point
+transfer (a broadcast inside ``next()`` deadlocks a pipeline: see :mod:`.handoff`).
 """
 
 from __future__ import annotations
@@ -116,10 +121,13 @@ def send_failure(message: str, src: int, group: Any, device: torch.device) -> No
     _header({"end": False, "error": message}, src, group, device)
 
 
-def receive_step(src: int, group: Any, device: torch.device) -> list[dict[str, Any]]:
-    """One step's batches from the source rank (:func:`send_step`), tensors on ``device``
-    (views of one buffer per dtype).  Raises ``RuntimeError`` with the source's message if
-    it failed to produce them."""
+def receive_step(src: int, group: Any, device: torch.device, host: bool = True) -> list[dict[str, Any]]:
+    """One step's batches from the source rank (:func:`send_step`): views of one buffer per
+    dtype, received on ``device`` (what the backend needs) and, with ``host``, copied to host
+    memory once received, as the decoding rank's batches and an upstream loader's are: a whole
+    step's batches then take accelerator memory only during the hand-off, at the start of the
+    step, not while the step's activations live.  Raises ``RuntimeError`` with the source's
+    message if it failed to produce them."""
     import torch.distributed as dist
 
     header = _header(None, src, group, device)
@@ -131,6 +139,8 @@ def receive_step(src: int, group: Any, device: torch.device) -> list[dict[str, A
         flat = torch.empty(entries[-1][1], dtype=getattr(torch, dtype), device=device)
         if flat.numel():
             dist.broadcast(flat, src=src, group=group)
+        if host and flat.device.type != "cpu":
+            flat = flat.cpu()
         for (b, offset, key, shape), (_, end, _, _) in zip(entries[:-1], entries[1:]):
             batches[b][key] = flat[offset:end].view(shape)
     for batch, ids in zip(batches, header["sample_ids"]):

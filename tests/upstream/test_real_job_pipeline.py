@@ -8,6 +8,7 @@ under torchrun on gloo ranks (``realjob.py``), 8 iterations each.
   per-iteration samples equal PP=1's (the same packs, only their order within a step
   differs); the two schedules give the same losses; evaluation (``forward_only``) through the
   packing loader's validation split runs at PP=4 under the runtime.
+- resume at PP=2 with the packing loader: save at 4, exit, resume to 8: bit for bit.
 - 5: no run aborts at exit ("terminate called without an active exception").
 - 9: ``--flow-schedule`` under the interleaved schedule (PP=2, 2 virtual stages) finishes and
   equals upstream's interleaved run loss for loss (it crashed in step 1 with a dtype mismatch:
@@ -17,6 +18,7 @@ under torchrun on gloo ranks (``realjob.py``), 8 iterations each.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import replace
 
 import pytest
 
@@ -26,15 +28,18 @@ from test_real_job import FLOW, JOBS, assert_consumed_is_fed, assert_finished, p
 ITERS = 8
 K = 4
 ONE_F_ONE_B = FLOW + ("--no-flow-schedule",)
+# 2-4 ranks of the plugin's packing runs: 8 iterations take 2-4 min on 2 idle cores, far longer on a
+# loaded machine; a run that times out is a failure, so give these room.
+SLOW = 1200
 
 PIPELINE_JOBS = {
-    "flow_pp2": RealJob(pp=2, plugin=FLOW),
-    "flow_pp2_1f1b": RealJob(pp=2, plugin=ONE_F_ONE_B),
-    "flow_pp4_eval": RealJob(pp=4, plugin=FLOW, val_rate=0.25, eval_interval=K),
-    "flow_pp4_1f1b": RealJob(pp=4, plugin=ONE_F_ONE_B),
+    "flow_pp2": RealJob(pp=2, plugin=FLOW, timeout_s=SLOW),
+    "flow_pp2_1f1b": RealJob(pp=2, plugin=ONE_F_ONE_B, timeout_s=SLOW),
+    "flow_pp4_eval": RealJob(pp=4, plugin=FLOW, val_rate=0.25, eval_interval=K, timeout_s=SLOW),
+    "flow_pp4_1f1b": RealJob(pp=4, plugin=ONE_F_ONE_B, timeout_s=SLOW),
     "up_vpp2": RealJob(pp=2, vpp=2),
     "sched_vpp2": RealJob(pp=2, vpp=2, plugin=("--flow-schedule",)),
-    "flow_vpp2": RealJob(pp=2, vpp=2, plugin=FLOW),
+    "flow_vpp2": RealJob(pp=2, vpp=2, plugin=FLOW, timeout_s=SLOW),
 }
 
 
@@ -95,6 +100,24 @@ def test_evaluation_runs_through_the_packing_loader_at_pp4(real_jobs):
         assert stages[pp] == stages[0]
     held_out = {t for _, _, tags in r.evaluated for t in tags}
     assert not held_out & set(r.fed_samples()), "a held-out sample was trained on"
+
+
+def test_flowtrain_pp2_resume_continues_bit_for_bit(real_jobs):
+    """Save at K and exit, resume to ITERS: the loader's state (on the decoding rank, saved
+    after the step took every batch it was handed) puts the resumed run on the uninterrupted
+    run's curve, no sample fed twice, none skipped."""
+    base = PIPELINE_JOBS["flow_pp2"]
+    first = real_jobs.run("flow_pp2_save", replace(base, save="ckpt", save_interval=K, exit_interval=K))
+    assert_clean_exit(first)
+    assert_finished(first, last=K)
+    second = real_jobs.run("flow_pp2_resume", replace(base, load=str(first.workdir / "ckpt")))
+    assert_clean_exit(second)
+    assert_finished(second, first=K + 1)
+    whole = run(real_jobs, "flow_pp2")
+    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
+    assert {**first.consumed, **second.consumed} == whole.consumed
+    assert_consumed_is_fed(second, start=first.consumed[K])
+    assert first.fed + second.fed == whole.fed  # no sample twice, none skipped, same order
 
 
 def test_flow_schedule_interleaved_equals_upstream_interleaved(real_jobs):
