@@ -4,10 +4,14 @@ Megatron's ``DotProductAttention`` serves ``packed_seq_params`` through varlen a
 (NPU kernel, flash-attn or SDPA per segment); MindSpeed-MM's VLM passes the loader's
 segments down to the text decoder instead of building a ``[B, 1, S, S]`` mask, and its
 Qwen2-VL and Qwen3-VL ViTs take their ``cu_seqlens`` (varlen) path instead of a
-``[1, S, S]`` block mask.
+``[1, S, S]`` block mask; MindSpeed's mask generator (its default attention path, without
+``--use-flash-attn``) leaves packed calls alone.
+
+``--flow-packing`` turns this feature on (``mindspeed_flow.config``): without it a pack
+would reach the attention as one sequence under one causal mask.
 """
 
-from mindspeed_flow.adapters import megatron_core_attention, mindspeed_mm
+from mindspeed_flow.adapters import megatron_core_attention, mindspeed, mindspeed_mm
 from mindspeed_flow.patching import Patch
 
 FEATURE = "fused_attn"
@@ -73,6 +77,16 @@ PATCHES = [
         params="q, k, cos, sin, use_fused_rope",
         checked=MINDSPEED_MM,
         description="M-RoPE on packed (squeezed THD) LLM queries",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed.core.transformer.flash_attention.generate_mask.adaptor:dot_product_attention_forward_wrapper",
+        wrapper=mindspeed.generate_mask_wrapper,
+        params="fn",
+        checked=("MindSpeed 028de58 (source)",),
+        optional=True,
+        description="MindSpeed's mask generator (GenerateMaskFeature) passes packed calls to the varlen path "
+                    "without building a dense [S,S] mask",
     ),
     flash_attn_view(VIT, "Qwen2VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense block mask"),
     flash_attn_view(QWEN3_VIT, "Qwen3VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense [1,S,S] mask"),

@@ -38,15 +38,25 @@ print(json.dumps({{"sizes": [args.tensor_model_parallel_size, args.pipeline_mode
 def test_plan_reaches_mindspeed_mm_args_and_model_config(runs, tmp_path):
     """(``runs``: the upstream environment gate, skipping, or failing under
     ``scripts/test_upstream.sh``, when MindSpeed-MM's dependencies are missing.)"""
-    plan = Plan(EncoderConfig(dp=3, tp=1, layers=2),
-                BackboneConfig(dp=1, tp=2, pp=2, micro_batch=1, layer_split=(1, 1)), global_batch=4,
-                predicted=Prediction(1.0, 1.2, 1.0, 0.3, 0.1, 4.0, 4, 1.0, 1.0))
-    path = plan.save(tmp_path / "plan.yaml")
+    backbone = BackboneConfig(dp=1, tp=2, pp=2, micro_batch=1, layer_split=(1, 1))
+    prediction = Prediction(1.0, 1.2, 1.0, 0.3, 0.1, 4.0, 4, 1.0, 1.0)
+    path = Plan(EncoderConfig(dp=1, tp=2, layers=2), backbone, global_batch=4, predicted=prediction,
+                placement="colocated").save(tmp_path / "plan.yaml")
     (tmp_path / "probe.py").write_text(PROBE)
     env = {**upstream_env(upstream_sources(), tmp_path), "WORLD_SIZE": "4", "RANK": "0"}
-    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", "probe.py", "--flow-allocator",
-                           "--flow-allocator-plan", str(path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+
+    def start(plan_file):
+        return subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", "probe.py", "--flow-allocator",
+                               "--flow-allocator-plan", str(plan_file)], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    proc = start(path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"sizes": [2, 2, 1, 1, 4], "vit": [[2, 0], 1], "llm": [1, 1]}
+    assert out == {"sizes": [2, 2, 1, 1, 4], "vit": [[2, 0], 2], "llm": [1, 1]}
+    # (issue 19, defect 4) the encoder on 3 devices of its own: refused at the backbone's world
+    # size too, where it used to be applied as if co-located without a word
+    decoupled = Plan(EncoderConfig(dp=3, tp=1, layers=2), backbone, global_batch=4,
+                     predicted=prediction).save(tmp_path / "decoupled.yaml")
+    refused = start(decoupled)
+    assert refused.returncode != 0 and "refusing a decoupled plan: its encoder runs on 3 devices" in refused.stderr
