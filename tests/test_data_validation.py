@@ -62,6 +62,25 @@ def test_resume_with_other_records_is_refused_and_records_are_checked(corpus):
         FlowDataLoader(corpus, None, records=[3, 3], **SETTINGS)
 
 
+def test_images_outside_dataset_dir_resolve_as_upstream_does(corpus, tmp_path, monkeypatch):
+    """MindSpeed-MM joins ``dataset_dir`` and an image path when that file exists, else it
+    uses the path as written: a validation file elsewhere with absolute or working-directory
+    relative paths."""
+    shard = sorted(Path(corpus).glob("*.jsonl"))[0]
+    records = [json.loads(line) for line in shard.read_text().splitlines()[:6]]
+    for k, record in enumerate(records):
+        record["images"] = [str(Path(corpus) / p) if k % 2 else str(Path("data") / p) for p in record["images"]]
+    (tmp_path / "data").symlink_to(corpus)
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.chdir(tmp_path)
+    elsewhere = tmp_path / "dataset_dir"
+    elsewhere.mkdir()
+    loader = FlowDataLoader(val, Path(corpus) / "flow_demo_tokenizer.json", image_root=elsewhere, **SETTINGS)
+    ids = [i for pack in epoch_ids(loader) for i in pack]
+    assert sorted(ids) == sorted(f"val.jsonl:{n}" for n in range(1, 7)) and sum(loader.stats.bad.values()) == 0
+
+
 def _param(corpus: Path, **basic) -> dict:
     return {"dataset_type": "huggingface", "basic_parameters": {"dataset": str(corpus), "dataset_dir": str(corpus),
                                                                 **basic},

@@ -106,7 +106,7 @@ class Decoder:
             root = self.image_root if self.image_root is not None else self._shard_dir(index)
             pixels, grids = [], []
             for p in paths:
-                values, grid = load_image(str(root / p), self.min_pixels, self.max_pixels)
+                values, grid = load_image(str(self._image_path(root, p)), self.min_pixels, self.max_pixels)
                 pixels.append(values)
                 grids.append(grid)
         except MalformedRecord as e:
@@ -129,6 +129,15 @@ class Decoder:
                         else torch.zeros(0, 1176, dtype=torch.uint8))
         return Sample(index, place, input_ids, torch.tensor(labels, dtype=torch.int64), position_ids,
                       pixel_values, grid_thw)
+
+    def _image_path(self, root: Path, path: str) -> Path:
+        """``root / path``; with an ``image_root`` (MindSpeed-MM's ``dataset_dir``) whose join
+        does not exist, the path as written (absolute, or relative to the working directory),
+        which is how MindSpeed-MM's converter resolves media; a missing image names the join."""
+        joined = root / path
+        if self.image_root is not None and not joined.is_file() and Path(path).is_file():
+            return Path(path)
+        return joined
 
     def _shard_dir(self, index: int) -> Path:
         return self.corpus.locate(index)[0].path.parent
