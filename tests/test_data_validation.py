@@ -185,3 +185,8 @@ def test_validation_loader_is_evaluated_not_counted_and_resumes_apart(corpus, tm
     assert out["pending"] == [sum(len(p) for p in out["trained"]), len(out["trained"])]
     assert all(Path(p).is_file() for p in out["paths"]) and out["paths"][0] != out["paths"][1]
     assert out["resumed"] == out["after"]  # each loader from its own saved state
+
+
+def test_fewer_records_than_dp_ranks_is_refused_at_start(corpus):
+    with pytest.raises(ValueError, match=r"1 record\(s\) selected for 2 DP ranks: DP rank 1 would have no sample"):
+        FlowDataLoader(corpus, None, dp_rank=1, dp_size=2, records=[7], **SETTINGS)

@@ -156,6 +156,10 @@ class FlowDataLoader:
             return
         corpus = Corpus.open(source)
         self._records = None if records is None else _check_records(records, len(corpus), source)
+        size = len(corpus) if self._records is None else len(self._records)
+        if size < dp_size:
+            raise ValueError(f"{source}: {size} record(s){'' if records is None else ' selected'} for {dp_size} "
+                             f"DP ranks: DP rank {dp_rank} would have no sample to read")
         tokenizer = load_tokenizer(tokenizer_or_processor, corpus.root)
         image_processor = getattr(tokenizer_or_processor, "image_processor", None)
         self._decoder = Decoder(
