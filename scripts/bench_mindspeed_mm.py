@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--samples", type=int, default=160, help="corpus size")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per run")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None, help="write the numbers here")
     args = parser.parse_args(argv)
@@ -59,7 +60,8 @@ def main(argv=None) -> int:
     for round_ in range(args.rounds):
         for pp in args.pp:
             for variant, flags in variants.items():
-                job = RealJob(pp=pp, iters=args.iters, gbs=args.gbs, samples=args.samples, plugin=flags)
+                job = RealJob(pp=pp, iters=args.iters, gbs=args.gbs, samples=args.samples, plugin=flags,
+                              timeout_s=args.timeout)
                 name = f"r{round_}_pp{pp}_{variant}"
                 run = run_real_job(job, root / name, check=False, assets=root / f"assets_{args.samples}")
                 if run.returncode != 0:

@@ -95,15 +95,20 @@ def missing_dependencies(modules: tuple[str, ...] = MODEL_DEPENDENCIES) -> list[
     return missing
 
 
-@pytest.fixture(scope="session")
-def runs(tmp_path_factory) -> Runs:
-    missing = missing_dependencies()
+def require(modules: tuple[str, ...], what: str) -> None:
+    """Skip (or fail, under ``scripts/test_upstream.sh``) when a dependency is missing."""
+    missing = missing_dependencies(modules)
     if missing:
-        message = (f"upstream harness needs {', '.join(missing)} (MindSpeed-MM's pins): run "
+        message = (f"{what} needs {', '.join(missing)} (MindSpeed-MM's pins): run "
                    "`bash scripts/test_upstream.sh`, which builds its own environment")
         if os.environ.get(REQUIRED_ENV):
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Runs:
+    require(MODEL_DEPENDENCIES, "upstream harness")
     return Runs(tmp_path_factory.mktemp("upstream_runs"))
 
 
@@ -113,13 +118,7 @@ REAL_JOBS: list[RealJobs] = []
 @pytest.fixture(scope="session")
 def real_jobs(tmp_path_factory) -> RealJobs:
     """The real job's runs (``realjob.py``), shared by name across this folder's tests."""
-    missing = missing_dependencies(MODEL_DEPENDENCIES + REAL_JOB_DEPENDENCIES)
-    if missing:
-        message = (f"the real-job harness needs {', '.join(missing)}: run `bash scripts/test_upstream.sh`, "
-                   "which builds its own environment")
-        if os.environ.get(REQUIRED_ENV):
-            pytest.fail(message)
-        pytest.skip(message)
+    require(MODEL_DEPENDENCIES + REAL_JOB_DEPENDENCIES, "the real-job harness")
     jobs = RealJobs(tmp_path_factory.mktemp("real_jobs"))
     REAL_JOBS.append(jobs)
     return jobs

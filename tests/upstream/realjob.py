@@ -53,7 +53,7 @@ RUN_TIMEOUT_S = 480
 LOSS_KEY = "loss"  # pretrain_vlm.loss_func's reporting key
 
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \|(.*)")
-LOG_FIELD = re.compile(r" ([A-Za-z][A-Za-z _-]*?): ([-+0-9.eEnaif]+) \|")
+LOG_FIELD = re.compile(r" ([A-Za-z][A-Za-z _()/-]*?): ([-+0-9.eEnaif]+) \|")
 VALIDATION_LINE = re.compile(r"validation loss at (?:iteration (\d+)|[^|]*?) \|(.*)")
 
 
@@ -422,10 +422,28 @@ def run_real_job(job: RealJob, workdir: Path, check: bool = True, assets: Option
         for path in sorted(observe.glob("observe_rank*.jsonl")):
             records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     run = RealRun(job, workdir, code, output, cmd, wall, records, cpu_s=cpu)
+    (workdir / "result.json").write_text(json.dumps({"job": repr(job), "returncode": code, "wall_s": wall,
+                                                      "cpu_s": cpu, "command": cmd}))
     run.report = describe(run)
     print(run.report)
     if check and code != 0:
         raise RuntimeError(f"real job failed ({code}) after {wall:.0f} s: {' '.join(cmd)}\n{output[-12000:]}")
+    return run
+
+
+def load_run(job: RealJob, workdir: Path) -> Optional[RealRun]:
+    """A finished run of ``job`` left in ``workdir`` by :func:`run_real_job`, or ``None``."""
+    result = Path(workdir) / "result.json"
+    if not result.is_file():
+        return None
+    meta = json.loads(result.read_text())
+    if meta["job"] != repr(job):
+        return None
+    records = [json.loads(line) for path in sorted((Path(workdir) / "observe").glob("observe_rank*.jsonl"))
+               for line in path.read_text().splitlines() if line.strip()]
+    run = RealRun(job, Path(workdir), meta["returncode"], (Path(workdir) / "output.log").read_text(),
+                  meta["command"], meta["wall_s"], records, cpu_s=meta["cpu_s"])
+    run.report = describe(run) + " (reused)"
     return run
 
 
@@ -452,8 +470,12 @@ class RealJobs:
     """Runs shared by name within a session (``conftest.real_jobs``): a name runs once; asking
     again for it with another job is an error (two tests would read different runs)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, reuse: Optional[Path] = None):
         self.root = Path(root)
+        # REALJOB_REUSE=<a real_jobs folder of an earlier session>: runs of the same job found there
+        # are read back instead of run again (for developing assertions; CI never sets it).
+        self.reuse = Path(reuse) if reuse else (Path(os.environ["REALJOB_REUSE"]) if os.environ.get("REALJOB_REUSE")
+                                                else None)
         self._done: dict[str, tuple[RealJob, RealRun]] = {}
         self.reports: list[str] = []
 
@@ -463,7 +485,9 @@ class RealJobs:
             if known != job:
                 raise ValueError(f"real job {name!r} already ran as {known}, asked again as {job}")
         else:
-            run = run_real_job(job, self.root / name, check=False, assets=self.root / f"assets_{job.samples}")
+            run = load_run(job, self.reuse / name) if self.reuse else None
+            if run is None:
+                run = run_real_job(job, self.root / name, check=False, assets=self.root / f"assets_{job.samples}")
             self._done[name] = (job, run)
             self.reports.append(run.report)
         if check and run.returncode != 0:

@@ -28,6 +28,7 @@ import json
 import math
 from collections import Counter, defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -170,10 +171,14 @@ def test_plugin_packs_and_accounts(real_jobs, name):
     assert_consumed_is_fed(r)
     fed = per_iteration_fed(r)
     assert sum(map(len, fed.values())) > ITERS * r.job.gbs  # more than one sample per microbatch
-    # within one epoch each sample once: every sample appears once before any appears twice
-    order = r.fed_samples()
-    first_epoch = order[: r.job.samples]
-    assert len(set(first_epoch)) == len(first_epoch)
+    # the first epoch feeds every sample once: each DP rank's first samples/dp are distinct and
+    # together they are the whole corpus (ranks may start their next epoch a few packs apart)
+    streams: dict[int, list[int]] = defaultdict(list)
+    for _, dp, tags in r.fed:
+        streams[dp].extend(tags)
+    share = r.job.samples // r.job.dp
+    firsts = [t for stream in streams.values() for t in stream[:share]]
+    assert sorted(firsts) == list(range(r.job.samples))
     assert_no_attention_crosses(r, packed=True)
 
 
@@ -195,22 +200,23 @@ def test_packed_loss_curve_tracks_upstream(real_jobs, name):
     assert ours.exact_losses[ITERS] < ours.exact_losses[1]
 
 
-def test_packed_step_equals_the_same_samples_unpacked(real_jobs, tmp_path_factory):
+def test_packed_step_equals_the_same_samples_unpacked(real_jobs):
     """Step 1 of the plugin's DP=2 run (packed, per-token loss over both replicas) against
     upstream's collator and model fed exactly those samples one per microbatch."""
     ours = run(real_jobs, "flow_dp2")
     step1 = per_iteration_fed(ours)[1]
-    assets = real_jobs.root / f"assets_{ours.job.samples}"
-    records = json.loads((assets / "corpus" / "data.json").read_text())
+    corpus = Path(json.loads((ours.workdir / "data.json").read_text())
+                  ["dataset_param"]["basic_parameters"]["dataset"])
+    records = json.loads(corpus.read_text())
     chosen = [records[t] for t in step1]  # tag == index in the corpus
-    subset = assets / "corpus" / f"step1_{'_'.join(map(str, step1))[:60]}.json"
+    subset = corpus.parent / f"step1_{'_'.join(map(str, step1))[:60]}.json"  # beside it: same image folder
     subset.write_text(json.dumps(chosen))
     job = RealJob(gbs=len(chosen), extra_args=PER_TOKEN, data_patch=(
         ("dataset_param.basic_parameters.dataset", str(subset)), ("dataloader_param.shuffle", False)))
     up = real_jobs.run("up_same_as_flow_dp2_step1", job)
     assert_finished(up)
     assert sorted(per_iteration_fed(up)[1]) == sorted(step1)
-    assert close(ours.exact_losses[1], up.exact_losses[1]), (ours.exact_losses[1], up.exact_losses[1])
+    assert close(ours.exact_losses[1], up.exact_losses[1], 1e-5), (ours.exact_losses[1], up.exact_losses[1])  # measured 8e-8
 
 
 # ------------------------------------------------------------------------- flags alone
