@@ -43,6 +43,7 @@ def autoload() -> None:
     from mindspeed_flow.config import FlagError, flags_requested
 
     if flags_requested(sys.argv[1:]):
+        keep_stores_on_loopback()  # first: torchrun's agent runs this hook too, before its store
         from mindspeed_flow.patches import activate
 
         try:
@@ -51,6 +52,16 @@ def autoload() -> None:
             print(refuse(error), file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(REFUSED_EXIT_CODE)
+
+
+def keep_stores_on_loopback() -> None:
+    """torch's own rendezvous stores (``env://`` / ``tcp://`` in rank 0, torchrun's agent)
+    listen only on their host when it is a loopback address
+    (:func:`mindspeed_flow.loopback.keep_stores_on_loopback`; torch binds them on every
+    interface).  Part of the plugin's activation, so it runs first, in every process."""
+    from mindspeed_flow.loopback import keep_stores_on_loopback as install
+
+    install()
 
 
 def put_script_folder_first(script: str) -> None:
@@ -80,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from mindspeed_flow.config import FlagError
     from mindspeed_flow.patches import activate
 
+    keep_stores_on_loopback()
     try:
         activate(script_args)  # after the path is set: upstream beside the script is checked now
     except FlagError as error:

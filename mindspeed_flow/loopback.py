@@ -70,6 +70,180 @@ def tcp_store_server(world_size: int | None, *, host: str = LOOPBACK, port: int 
         raise
 
 
+# ------------------------------------------------------------------ torch's own stores
+
+# Where torch 2.13 creates a rendezvous store's server, by module: the name each module calls
+# (bound there by ``from torch.distributed import TCPStore``).  ``env://`` / ``tcp://`` in
+# ``init_process_group`` (rank 0, or every rank's client under torchrun), torchrun's static
+# rendezvous (its agent's store), the c10d rendezvous backend (``--rdzv-backend c10d``,
+# ``--standalone``).  ``DynamicRendezvousHandler._create_tcp_store_server`` (the store the
+# c10d rendezvous shares with its workers) calls ``dist.TCPStore``: its method is wrapped.
+STORE_NAMES = (
+    ("torch.distributed.rendezvous", "TCPStore"),
+    ("torch.distributed.elastic.rendezvous.static_tcp_rendezvous", "TCPStore"),
+    ("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend", "TCPStore"),
+)
+DYNAMIC_HANDLER = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "DynamicRendezvousHandler",
+                   "_create_tcp_store_server")
+_STORE_PARAMS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers",
+                 "multi_tenant", "master_listen_fd", "use_libuv")  # TCPStore.__init__, torch 2.13
+
+
+def _bind_host(host: str) -> str:
+    return LOOPBACK if host.strip("[]").lower() == "localhost" else host.strip("[]")
+
+
+def _loopback_gloo() -> None:
+    """A rendezvous on a loopback host means every rank is on this machine: gloo's sockets
+    go on loopback too (``GLOO_SOCKET_IFNAME=lo`` unless the user set it; without it gloo
+    listens on whatever the machine's hostname resolves to)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return
+    if "lo" in names:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def loopback_store_factory(tcp_store, *, gloo: bool = False):
+    """A callable used like ``tcp_store`` (torch's ``TCPStore``): a master store whose host
+    is a loopback address (127.0.0.0/8, ``::1``, ``localhost``) and that was given no
+    ``master_listen_fd`` gets a socket bound to that address, handed over as
+    ``master_listen_fd`` (the chosen port, or the one the OS picks for port 0); every other
+    argument goes to torch as given.  Anything else (a client, a non-loopback host, a
+    port this process cannot bind, e.g. a multi-tenant store already serving it) is torch's
+    own call, unchanged.  ``gloo``: a loopback host also sets ``GLOO_SOCKET_IFNAME=lo``."""
+    import inspect
+
+    unset = object()
+    params = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                **({} if i < 2 else {"default": unset}))
+              for i, name in enumerate(_STORE_PARAMS)]
+    signature = inspect.Signature(params)
+
+    def TCPStore(*args, **kwargs):  # noqa: N802  (it stands for torch's class)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return tcp_store(*args, **kwargs)  # torch says what is wrong with the call
+        given = bound.arguments
+        host = given["host_name"]
+        if not isinstance(host, str) or not is_loopback(host.strip("[]")):
+            return tcp_store(*args, **kwargs)
+        if gloo:
+            _loopback_gloo()
+        if not given.get("is_master", False) or given.get("master_listen_fd") not in (unset, None):
+            return tcp_store(*args, **kwargs)
+        try:
+            sock = listen_socket(_bind_host(host), int(given["port"]))
+        except (OSError, OverflowError, TypeError, ValueError):
+            return tcp_store(*args, **kwargs)  # in use (a multi-tenant server?), bad port: torch decides
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store's server owns it from here on
+        args, kwargs = list(args), dict(kwargs)  # the call as given, with the port and the socket
+        for name, value in (("port", port), ("master_listen_fd", fd)):
+            position = _STORE_PARAMS.index(name)
+            if len(args) > position:
+                args[position] = value
+            else:
+                kwargs[name] = value
+        try:
+            return tcp_store(*args, **kwargs)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    TCPStore.__wrapped__ = tcp_store
+    TCPStore.__doc__ = f"mindspeed-flow: torch's TCPStore, its master bound to a loopback host.\n\n{tcp_store.__doc__}"
+    TCPStore._mindspeed_flow_loopback = True
+    return TCPStore
+
+
+class StoresOnLoopback:
+    """What :func:`keep_stores_on_loopback` installed; :meth:`remove` puts torch's names back."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.replaced: dict[tuple[str, str], tuple[Any, Any]] = {}  # (module, name) -> (owner, torch's)
+
+    def _rebind(self, owner, name: str, key: tuple[str, str], make) -> None:
+        if not self.active or key in self.replaced:
+            return
+        original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if original is None or getattr(original, "_mindspeed_flow_loopback", False):
+            return
+        self.replaced[key] = (owner, original)
+        setattr(owner, name, make(original))
+
+    def _on_rendezvous_module(self, module) -> None:
+        for module_name, name in STORE_NAMES:
+            if module.__name__ == module_name:
+                gloo = module_name == "torch.distributed.rendezvous"  # env:// and tcp:// (the ranks)
+                self._rebind(module, name, (module_name, name),
+                             lambda original: loopback_store_factory(original, gloo=gloo))
+
+    def _on_dynamic_module(self, module) -> None:
+        _, cls_name, method = DYNAMIC_HANDLER
+        cls = getattr(module, cls_name, None)
+        if cls is None:
+            return
+
+        def make(original):
+            def _create_tcp_store_server(handler, master_addr, master_port):
+                if not isinstance(master_addr, str) or not is_loopback(master_addr.strip("[]")):
+                    return original(handler, master_addr, master_port)
+                import torch.distributed as dist
+                # torch 2.13's body, with the server bound to the loopback host
+                return loopback_store_factory(dist.TCPStore)(host_name=master_addr, port=master_port,
+                                                             is_master=True, multi_tenant=True)
+
+            _create_tcp_store_server.__wrapped__ = original
+            _create_tcp_store_server._mindspeed_flow_loopback = True
+            return _create_tcp_store_server
+
+        self._rebind(cls, method, (f"{module.__name__}.{cls_name}", method), make)
+
+    def install(self) -> "StoresOnLoopback":
+        if self.active:
+            return self
+        import sys
+
+        import wrapt
+
+        self.active = True
+        for module_name, _ in STORE_NAMES:
+            wrapt.register_post_import_hook(self._on_rendezvous_module, module_name)
+        wrapt.register_post_import_hook(self._on_dynamic_module, DYNAMIC_HANDLER[0])
+        for module_name in [name for name, _ in STORE_NAMES] + [DYNAMIC_HANDLER[0]]:
+            if module_name in sys.modules:  # wrapt runs hooks of imported modules at once; be sure
+                (self._on_dynamic_module if module_name == DYNAMIC_HANDLER[0]
+                 else self._on_rendezvous_module)(sys.modules[module_name])
+        return self
+
+    def remove(self) -> None:
+        """Put torch's own names back (hooks of modules not imported yet become no-ops)."""
+        self.active = False
+        for (_, name), (owner, original) in self.replaced.items():
+            setattr(owner, name, original)
+        self.replaced.clear()
+
+
+_STORES = StoresOnLoopback()
+
+
+def keep_stores_on_loopback() -> StoresOnLoopback:
+    """Make torch's own rendezvous stores listen on their host alone when it is a loopback
+    address: ``init_process_group`` with ``env://`` / ``tcp://`` (rank 0's store), torchrun's
+    agent store (static and c10d rendezvous).  torch binds those on every interface whatever
+    the host says.  Each place's ``TCPStore`` name is rebound (when its module is imported) to
+    :func:`loopback_store_factory`; non-loopback hosts (multi-node jobs) are torch's own call.
+    A loopback ``env://`` / ``tcp://`` rendezvous also keeps gloo on loopback
+    (``GLOO_SOCKET_IFNAME=lo`` unless set).  Idempotent; ``.remove()`` undoes it."""
+    return _STORES.install()
+
+
 @dataclass(frozen=True)
 class Listener:
     """One listening TCP socket: its local address and the pids that hold it."""
@@ -165,5 +339,6 @@ def beyond_loopback(pids: Iterable[int]) -> list[Listener]:
     return [item for item in listening_sockets(pids) if not item.loopback]
 
 
-__all__ = ["LOOPBACK", "Listener", "beyond_loopback", "descendants", "is_loopback", "listen_socket",
-           "listening_sockets", "tcp_store_server"]
+__all__ = ["LOOPBACK", "Listener", "StoresOnLoopback", "beyond_loopback", "descendants", "is_loopback",
+           "keep_stores_on_loopback", "listen_socket", "listening_sockets", "loopback_store_factory",
+           "tcp_store_server"]

@@ -183,10 +183,10 @@ if launched is not None:
 
 
 def test_torchrun_launch_adds_no_listener_beyond_torchruns_own_store(tmp_path):
-    """Under torchrun the rendezvous store is torch's (its agent's): torch binds it on every
-    interface whatever ``--master-addr`` says and offers no way to hand it a bound socket
-    (docs/pool.md).  The job itself adds nothing beyond loopback: every wide listener of the
-    launch is held by the agent alone, none by a rank."""
+    """Without the plugin the rendezvous store of a torchrun launch is torch's own (its
+    agent's): torch binds it on every interface whatever ``--master-addr`` says (docs/pool.md;
+    with the plugin's flags see the next test).  The job itself adds nothing beyond loopback:
+    every wide listener of the launch is held by the agent alone, none by a rank."""
     script = tmp_path / "rank.py"
     script.write_text(_TORCHRUN_RANK)
     out = tmp_path / "out.json"
@@ -203,6 +203,144 @@ def test_torchrun_launch_adds_no_listener_beyond_torchruns_own_store(tmp_path):
     assert {p for item in listeners for p in item["pids"]} & ranks == ranks, listeners  # the ranks' gloo was seen
     assert all(item["pids"] == [agent] for item in _wide(listeners)), listeners  # torch's store, in the agent only
     assert all(is_loopback(item["host"]) for item in listeners if set(item["pids"]) & ranks), listeners
+
+
+_TORCHRUN_PLAIN_RANK = r"""
+import json, os, sys
+import torch.distributed as dist
+from mindspeed_flow.loopback import descendants, listening_sockets
+
+dist.init_process_group("gloo")  # env:// from torchrun: clients of the agent's store
+dist.barrier()
+agent = os.getppid()
+out = [{"host": i.host, "port": i.port, "pids": list(i.pids)} for i in listening_sockets(descendants(agent))]
+dist.barrier()
+if dist.get_rank() == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump({"agent": agent, "listeners": out, "gloo": os.environ.get("GLOO_SOCKET_IFNAME")}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_launch_with_the_plugins_flags_listens_on_loopback_only(tmp_path):
+    """With the plugin's flag on torchrun's command line the ``.pth`` hook activates the plugin
+    in the agent too, before its rendezvous: the agent's store (``--master-addr 127.0.0.1``)
+    and both gloo ranks listen on loopback only."""
+    script = tmp_path / "rank.py"
+    script.write_text(_TORCHRUN_PLAIN_RANK)
+    out = tmp_path / "out.json"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_FLOW_FLAGS", "GLOO_SOCKET_IFNAME")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), str(script), str(out), "--flow-fused-attn"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    listeners, agent = report["listeners"], report["agent"]
+    assert any(item["port"] == port and agent in item["pids"] for item in listeners), listeners  # the store
+    assert len({p for item in listeners for p in item["pids"]}) >= 3, listeners  # ... and both ranks' gloo
+    assert _wide(listeners) == [], listeners
+    assert report["gloo"] == "lo"
+
+
+_ENV_RANK0 = r"""
+import json, os, sys
+import torch.distributed as dist
+from mindspeed_flow.loopback import listening_sockets
+
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+print(json.dumps([{"host": i.host, "port": i.port, "pids": list(i.pids)} for i in listening_sockets([os.getpid()])]))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("init", ["env://", "tcp://127.0.0.1:{port}", "tcp://localhost:{port}"])
+def test_launcher_keeps_rank0s_init_process_group_store_on_loopback(tmp_path, init):
+    """``python -m mindspeed_flow.launch SCRIPT``: rank 0's store of ``init_process_group``
+    (``env://`` with MASTER_ADDR=127.0.0.1, ``tcp://``) listens on loopback only."""
+    script = tmp_path / "rank0.py"
+    script.write_text(_ENV_RANK0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_FLOW_FLAGS", "GLOO_SOCKET_IFNAME")}
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", str(script), init.format(port=port)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    listeners = last_json(proc)
+    assert any(item["port"] == port for item in listeners), listeners
+    assert _wide(listeners) == [], listeners
+
+
+def test_store_factory_passes_non_loopback_hosts_and_clients_through_unchanged():
+    from datetime import timedelta
+
+    from mindspeed_flow.loopback import loopback_store_factory
+
+    calls = []
+
+    def torch_store(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "store"
+
+    store = loopback_store_factory(torch_store)
+    as_given = [(("10.1.2.3", 29500, 2, True, timedelta(seconds=5)), {"multi_tenant": True}),
+                (("node-0.example", 0), {"is_master": True, "wait_for_workers": False, "use_libuv": False}),
+                (("0.0.0.0", 29500, 2, True), {}),
+                (("127.0.0.1", 29500, 2, False), {}),  # a client
+                (("127.0.0.1", 29500), {"is_master": True, "master_listen_fd": 7})]  # the caller's own socket
+    for args, kwargs in as_given:
+        assert store(*args, **kwargs) == "store"
+    assert calls == as_given
+    calls.clear()
+    with socket.socket() as busy:  # a port this process cannot bind: torch's own call decides
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        store("127.0.0.1", taken, 1, True)
+    assert calls == [(("127.0.0.1", taken, 1, True), {})]
+    calls.clear()
+    store("127.0.0.1", 0, 1, True, timedelta(seconds=5), wait_for_workers=False, use_libuv=False)
+    (args, kwargs), = calls
+    os.close(kwargs.pop("master_listen_fd"))
+    assert args[0] == "127.0.0.1" and args[1] > 0 and args[2:] == (1, True, timedelta(seconds=5))
+    assert kwargs == {"wait_for_workers": False, "use_libuv": False}
+
+
+def test_keep_stores_on_loopback_is_idempotent_and_remove_restores_torchs_names():
+    import torch.distributed as dist
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
+    import torch.distributed.elastic.rendezvous.static_tcp_rendezvous  # noqa: F401
+    import torch.distributed.rendezvous  # noqa: F401
+
+    from mindspeed_flow.loopback import DYNAMIC_HANDLER, STORE_NAMES, keep_stores_on_loopback
+
+    handler = sys.modules[DYNAMIC_HANDLER[0]].DynamicRendezvousHandler
+    torchs_method = handler.__dict__[DYNAMIC_HANDLER[2]]
+
+    def names():
+        return [getattr(sys.modules[module], name) for module, name in STORE_NAMES] + \
+            [handler.__dict__[DYNAMIC_HANDLER[2]]]
+
+    assert names() == [dist.TCPStore] * len(STORE_NAMES) + [torchs_method]
+    installed = keep_stores_on_loopback()
+    try:
+        assert keep_stores_on_loopback() is installed
+        wrapped = names()
+        assert all(item.__wrapped__ is dist.TCPStore for item in wrapped[:-1]), wrapped
+        assert wrapped[-1].__wrapped__ is torchs_method
+        # a real store through the rebound name: bound to loopback; a non-loopback host: torch's
+        store = sys.modules["torch.distributed.rendezvous"].TCPStore("127.0.0.1", 0, 1, True)
+        assert [item.host for item in listening_sockets([os.getpid()]) if item.port == store.port] == ["127.0.0.1"]
+        wide = sys.modules[STORE_NAMES[1][0]].TCPStore("0.0.0.0", 0, 1, True)
+        assert any(item.port == wide.port for item in beyond_loopback([os.getpid()]))
+        del store, wide
+    finally:
+        installed.remove()
+    assert names() == [dist.TCPStore] * len(STORE_NAMES) + [torchs_method]
 
 
 # ---------------------------------------------------------------------- mooncake
