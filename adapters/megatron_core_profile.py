@@ -126,6 +126,9 @@ def _rank_main(rank: int, port: int, shapes: list[BlockShape], device: ProfileDe
     torch.set_num_threads(1)
     device.bind(rank)
     tp = shapes[0].tp
+    from mindspeed_flow.loopback import keep_stores_on_loopback
+
+    keep_stores_on_loopback()  # rank 0's tcp:// store on 127.0.0.1 (torch binds it on every interface)
     dist.init_process_group(device.dist_backend, init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=tp)
     try:
         results = [_measure_here(s, device, rank, warmup, repeats) for s in shapes]

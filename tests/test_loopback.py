@@ -182,22 +182,35 @@ if launched is not None:
 '''
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _without_switches() -> dict:
+    """This environment without the plugin's switch and without a gloo interface."""
+    return {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_FLOW_FLAGS", "GLOO_SOCKET_IFNAME")}
+
+
+def _torchrun(tmp_path, source: str, *args: str, env: dict | None = None):
+    """``torchrun --nproc-per-node 2 --master-addr 127.0.0.1 rank.py OUT ARGS`` (``source``
+    writes its report to OUT): the master port and the report."""
+    script, out, port = tmp_path / "rank.py", tmp_path / "out.json", _free_port()
+    script.write_text(source)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), str(script), str(out), *args],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return port, json.loads(out.read_text())
+
+
 def test_torchrun_launch_adds_no_listener_beyond_torchruns_own_store(tmp_path):
     """Without the plugin the rendezvous store of a torchrun launch is torch's own (its
     agent's): torch binds it on every interface whatever ``--master-addr`` says (docs/pool.md;
     with the plugin's flags see the next test).  The job itself adds nothing beyond loopback:
     every wide listener of the launch is held by the agent alone, none by a rank."""
-    script = tmp_path / "rank.py"
-    script.write_text(_TORCHRUN_RANK)
-    out = tmp_path / "out.json"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(port), str(script), str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    (rank0, rank1) = json.loads(out.read_text())
+    (rank0, rank1) = _torchrun(tmp_path, _TORCHRUN_RANK)[1]
     agent, listeners = rank0["agent"], rank0["listeners"]
     ranks = {rank0["me"], rank1["me"]}
     assert {p for item in listeners for p in item["pids"]} & ranks == ranks, listeners  # the ranks' gloo was seen
@@ -226,18 +239,7 @@ def test_torchrun_launch_with_the_plugins_flags_listens_on_loopback_only(tmp_pat
     """With the plugin's flag on torchrun's command line the ``.pth`` hook activates the plugin
     in the agent too, before its rendezvous: the agent's store (``--master-addr 127.0.0.1``)
     and both gloo ranks listen on loopback only."""
-    script = tmp_path / "rank.py"
-    script.write_text(_TORCHRUN_PLAIN_RANK)
-    out = tmp_path / "out.json"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_FLOW_FLAGS", "GLOO_SOCKET_IFNAME")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(port), str(script), str(out), "--flow-fused-attn"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    report = json.loads(out.read_text())
+    port, report = _torchrun(tmp_path, _TORCHRUN_PLAIN_RANK, "--flow-fused-attn", env=_without_switches())
     listeners, agent = report["listeners"], report["agent"]
     assert any(item["port"] == port and agent in item["pids"] for item in listeners), listeners  # the store
     assert len({p for item in listeners for p in item["pids"]}) >= 3, listeners  # ... and both ranks' gloo
@@ -262,11 +264,8 @@ def test_launcher_keeps_rank0s_init_process_group_store_on_loopback(tmp_path, in
     (``env://`` with MASTER_ADDR=127.0.0.1, ``tcp://``) listens on loopback only."""
     script = tmp_path / "rank0.py"
     script.write_text(_ENV_RANK0)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_FLOW_FLAGS", "GLOO_SOCKET_IFNAME")}
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    port = _free_port()
+    env = {**_without_switches(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", str(script), init.format(port=port)],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     listeners = last_json(proc)

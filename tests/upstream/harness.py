@@ -6,7 +6,10 @@ What is real: MindSpeed 028de58 (its adaptor and patch manager), MindSpeed-MM 57
 core_v0.12.1 as the source copy inside the MindSpeed-MM tree (not a pip wheel), all
 unpacked from ``shared/upstream`` by its ``unpack.sh``.  What is stood in: ``torch_npu``
 and ``torchair`` (``standins/``), whose kernels are plain-torch reference implementations;
-every run prints the stood-in symbols and the kernels it called.
+every run prints the stood-in symbols and the kernels it called.  Shimmed
+(``harness_hooks/sitecustomize.py``, first on the run's ``PYTHONPATH``): torch's rendezvous
+stores listen on 127.0.0.1 only, with or without the plugin (torch binds them on every
+interface; ``[upstream harness] shim: ...`` on stderr).
 
 Usage from a test (this folder is on ``sys.path`` under pytest)::
 
@@ -49,6 +52,7 @@ if str(HERE.parent) not in sys.path:  # tests/: pinned_upstream, when used outsi
     sys.path.insert(0, str(HERE.parent))
 from pinned_upstream import Sources, upstream_sources  # noqa: E402
 STANDINS = HERE / "standins"
+HOOKS = HERE / "harness_hooks"  # sitecustomize.py: the shim keeping torch's stores on 127.0.0.1
 DRIVER = HERE / "driver.py"
 TINY_MODEL = HERE / "tiny_qwen2_5vl.json"
 RUN_TIMEOUT_S = 300
@@ -59,11 +63,13 @@ PATCH_FEATURE_FLAGS = ("--use-flowtrain",)
 
 
 def upstream_env(sources: Sources, scratch: Path) -> dict[str, str]:
-    """The subprocess environment: stand-ins, then MindSpeed-MM (with Megatron's copy), then
-    MindSpeed first on ``sys.path``; no plugin switch from the caller's environment."""
+    """The subprocess environment: the harness's shim (``harness_hooks/sitecustomize.py``:
+    torch's rendezvous stores on 127.0.0.1, with or without the plugin), stand-ins, then
+    MindSpeed-MM (with Megatron's copy), then MindSpeed first on ``sys.path``; no plugin
+    switch from the caller's environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_FLOW_FLAGS", "PYTHONPATH")}
     env.update({
-        "PYTHONPATH": os.pathsep.join(map(str, (STANDINS, sources.mindspeed_mm, sources.mindspeed))),
+        "PYTHONPATH": os.pathsep.join(map(str, (HOOKS, STANDINS, sources.mindspeed_mm, sources.mindspeed))),
         "TORCH_EXTENSIONS_DIR": str(scratch / "torch_extensions"),  # the adaptor writes there
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "OMP_NUM_THREADS": "1",

@@ -17,6 +17,10 @@ Shims (CPU / torch 2.13 / numpy 2 only; none changes what the job computes):
 - ``megatron.core.dist_checkpointing.strategies.filesystem_async._write_item``: passes
   ``serialization_format=TORCH_SAVE`` (torch 2.13's ``_write_item`` requires it; core_v0.12.1
   does not pass it).  ``numpy.product`` = ``numpy.prod`` (removed in numpy 2).
+- torch's rendezvous stores (torchrun's agent store, ``env://`` / ``tcp://``) listen on their
+  loopback host only (``mindspeed_flow.loopback.keep_stores_on_loopback``, as the plugin's
+  activation does; torch binds them on every interface), so upstream runs without the plugin
+  listen on 127.0.0.1 too.
 
 Observers (write JSON lines to ``$REALJOB_OBSERVE/observe_rank{RANK}.jsonl``):
 
@@ -407,6 +411,11 @@ if OBSERVE:
         "torch": [lambda module: _shim_tensor_type()],
     }
     sys.meta_path.insert(0, _PostImport(_HOOKS))
+    from mindspeed_flow.loopback import keep_stores_on_loopback
+
+    keep_stores_on_loopback()
+    _say("shim: torch rendezvous stores on 127.0.0.1 (torchrun's agent store, env:// / tcp://: torch binds "
+         "them on every interface; mindspeed_flow.loopback.keep_stores_on_loopback)")
     for _name in [n for n in _HOOKS if n in sys.modules]:  # already imported (never, normally)
         for _callback in _HOOKS[_name]:
             _callback(sys.modules[_name])
