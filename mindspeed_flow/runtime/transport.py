@@ -63,6 +63,9 @@ class AbortBoard:
 
     A key per step in a store every rank shares (the default process group's store);
     ``None`` disables the board (waits then end by the transport's error or the timeout).
+    A store that fails once (its server, torchrun's agent or rank 0, is gone) disables the
+    board too: each failed request would print c10d's warning with a C++ backtrace, four
+    times a second per waiting rank.
     """
 
     def __init__(self, store: Any | None, key: str) -> None:
@@ -76,7 +79,7 @@ class AbortBoard:
             if not self.store.check([self.key]):
                 self.store.set(self.key, message)
         except Exception:  # noqa: BLE001 - the store's server may be the process that died
-            pass
+            self.store = None
 
     def read(self) -> str | None:
         if self.store is None:
@@ -85,6 +88,7 @@ class AbortBoard:
             if self.store.check([self.key]):
                 return self.store.get(self.key).decode()
         except Exception:  # noqa: BLE001 - as above
+            self.store = None
             return None
         return None
 

@@ -25,6 +25,9 @@ import pytest
 from realjob import RealJob, RealRun
 from test_real_job import FLOW, JOBS, assert_consumed_is_fed, assert_finished, per_iteration_fed
 
+# a test may start several runs (the session shares them): 2-4 ranks each, minutes on a loaded machine
+pytestmark = pytest.mark.timeout(3600)
+
 ITERS = 8
 K = 4
 ONE_F_ONE_B = FLOW + ("--no-flow-schedule",)
