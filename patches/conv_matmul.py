@@ -2,9 +2,10 @@
 
 The stride == kernel convolutions of Qwen2-VL's ``PatchEmbed`` (Conv3d) and CLIP's
 ``conv1`` (Conv2d) are replaced right after construction by
-:class:`~mindspeed_flow.attention.patch_embed.PatchEmbedMatmul`, which loads upstream
-checkpoints as they are; ``mindspeed-flow convert-patch-embed`` turns checkpoints saved
-by a patched model back into the upstream layout.
+:class:`~mindspeed_flow.attention.patch_embed.PatchEmbedMatmul`, which keeps the conv's
+parameters in the conv's shape: checkpoints (model and optimizer, ``torch`` and
+``torch_dist``) are the same with and without the flag.  ``mindspeed-flow
+convert-patch-embed`` converts the flat-layout checkpoints of earlier versions.
 """
 
 from mindspeed_flow.adapters import mindspeed_mm

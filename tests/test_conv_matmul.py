@@ -444,3 +444,28 @@ def test_cli_leaves_an_ambiguous_optimizer_state_and_says_so(tmp_path, capsys):
     converted = torch.load(out)
     assert converted["model"]["vit.patch_embed.proj.weight"].shape == (16, 3, 2, 14, 14)
     assert converted["optimizer"]["optimizer"]["state"][0]["exp_avg"].shape == (16, 1176)
+
+
+def test_cli_names_a_package_the_checkpoint_needs(tmp_path, capsys, monkeypatch):
+    """A Megatron checkpoint pickles objects of the training job's packages; where they do
+    not import, the tool says which one instead of a traceback."""
+    import pickle as pickle_module
+    import sys
+    import types
+
+    module = types.ModuleType("job_only_package")
+
+    class JobArgs:
+        pass
+
+    JobArgs.__module__ = "job_only_package"
+    JobArgs.__qualname__ = "JobArgs"
+    module.JobArgs = JobArgs
+    monkeypatch.setitem(sys.modules, "job_only_package", module)
+    src = tmp_path / "ckpt.pt"
+    torch.save({"model": {}, "args": JobArgs()}, src, pickle_module=pickle_module)
+    monkeypatch.delitem(sys.modules, "job_only_package")
+    assert run_cli("convert-patch-embed", str(src), str(tmp_path / "o.pt"), "--to", "conv",
+                   "--in-and-kernel", "3,2,14,14", "--trust-checkpoint") == 2
+    printed = capsys.readouterr().out
+    assert "'job_only_package'" in printed and "PYTHONPATH" in printed

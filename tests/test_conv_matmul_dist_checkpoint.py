@@ -200,8 +200,7 @@ def assert_same_model(conv_side: dict, matmul_side: dict, key: str, atol: float 
 def checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
     """Every experiment in one pair of processes (starting Megatron costs more than them)."""
     return {"models": model_round_trip_worker(rank, world_size, root),
-            "adam": optimizer_resume_worker(rank, world_size, root),
-            "torch_format": torch_format_resume_worker(rank, world_size, root),
+            "adam": {fmt: optimizer_resume_worker(rank, world_size, root, fmt) for fmt in FORMATS},
             "layouts": state_layout_worker(rank, world_size)}
 
 
@@ -265,24 +264,51 @@ def _checkpoint(ddp, optimizer, is_loading: bool) -> dict:
     return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading)}
 
 
-def optimizer_resume_worker(rank: int, world_size: int, root: str) -> dict:
-    """Train two steps, save (patched or upstream), load into the other layout, take one
-    more step on both: resuming equals continuing only if Adam's moments came back."""
+def _through_dist_checkpointing(ddp, optimizer, resumed, resumed_optimizer, directory: str, rank: int) -> dict:
+    """``--ckpt-format torch_dist``: megatron-core's ``dist_checkpointing.save`` / ``load`` of
+    the model's and the optimizer's sharded state dicts."""
     from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(_checkpoint(ddp, optimizer, is_loading=False), directory)
+    return dist_checkpointing.load(_checkpoint(resumed, resumed_optimizer, is_loading=True), directory)
+
+
+def _through_torch_save(ddp, optimizer, resumed, resumed_optimizer, directory: str, rank: int) -> dict:
+    """``--ckpt-format torch``: what Megatron's ``save_checkpoint`` writes for this model
+    (``state_dict_for_save_checkpoint()`` and ``optimizer.state_dict()`` in one
+    ``torch.save`` file, written by rank 0) and ``load_checkpoint`` reads back."""
+    import torch
+    import torch.distributed as dist
+
+    path = f"{directory}/model_optim_rng.pt"
+    if rank == 0:
+        torch.save({"model": ddp.module.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict()}, path)
+    dist.barrier()
+    return torch.load(path, weights_only=False)
+
+
+FORMATS = {"torch_dist": ("optim", _through_dist_checkpointing), "torch": ("torch", _through_torch_save)}
+
+
+def optimizer_resume_worker(rank: int, world_size: int, root: str, fmt: str) -> dict:
+    """Train two steps, save (patched or upstream) in ``fmt``, load into the other side
+    (``load_state_dict(strict=True)`` on the model, ``optimizer.load_state_dict``), take one
+    more step on both: resuming equals continuing only if Adam's moments came back."""
+    import torch.distributed as dist
 
     from megatron_cpu_harness import megatron_parallel
 
+    folder, save_and_load = FORMATS[fmt]
     results = {}
     with megatron_parallel():
         for saver_patched in (True, False):
-            directory = f"{root}/optim_{'patched' if saver_patched else 'upstream'}"
+            directory = f"{root}/{folder}_{'patched' if saver_patched else 'upstream'}"
             ddp, optimizer = _trainer(saver_patched, 5)
             for step in range(2):
                 _train_step(ddp, optimizer, step)
-            dist_checkpointing.save(_checkpoint(ddp, optimizer, is_loading=False), directory)
             resumed, resumed_optimizer = _trainer(not saver_patched, 6)
-            loaded = dist_checkpointing.load(_checkpoint(resumed, resumed_optimizer, is_loading=True), directory)
-            resumed.load_state_dict(loaded["model"], strict=True)
+            loaded = save_and_load(ddp, optimizer, resumed, resumed_optimizer, directory, rank)
+            resumed.module.load_state_dict(loaded["model"], strict=True)
             resumed_optimizer.load_state_dict(loaded["optimizer"])
             # the same resume without Adam's state: what a lost optimizer state looks like
             fresh, fresh_optimizer = _trainer(not saver_patched, 7)
@@ -290,6 +316,7 @@ def optimizer_resume_worker(rank: int, world_size: int, root: str) -> dict:
             for model, model_optimizer in ((ddp, optimizer), (resumed, resumed_optimizer), (fresh, fresh_optimizer)):
                 _train_step(model, model_optimizer, 2)
             results[saver_patched] = tuple(_plain_state(m.module) for m in (ddp, resumed, fresh))
+            dist.barrier()
     return results
 
 
@@ -299,70 +326,20 @@ def optimizer_resume_worker(rank: int, world_size: int, root: str) -> dict:
 RESUME_ATOL = 1e-6
 
 
-def test_torch_dist_resume_with_adam_state_across_layouts(per_rank):
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_resume_with_adam_state_across_the_flag(per_rank, fmt):
+    """For ``torch`` this is issue 19, defect 3: before the parameter kept the conv's shape,
+    the patched model's checkpoint did not load upstream (``size mismatch ... [16, 96] vs
+    [16, 3, 2, 4, 4]``) and Adam's upstream moments broke the patched step (shape
+    ``[16, 3, 2, 4, 4]`` against the ``[16, 96]`` gradient)."""
     key = "patch_embed.proj.weight"
     for rank_results in per_rank:
-        results = rank_results["adam"]
-        continued, resumed, fresh = results[True]   # patched saved, upstream resumed
-        assert_same_model(resumed, continued, key, atol=RESUME_ATOL)
-        with pytest.raises(AssertionError, match=key):
-            assert_same_model(fresh, continued, key, atol=RESUME_ATOL)
-        continued, resumed, fresh = results[False]  # upstream saved, patched resumed
-        assert_same_model(continued, resumed, key, atol=RESUME_ATOL)
-        with pytest.raises(AssertionError, match=key):
-            assert_same_model(continued, fresh, key, atol=RESUME_ATOL)
-
-
-def torch_format_resume_worker(rank: int, world_size: int, root: str) -> dict:
-    """``--ckpt-format torch``: what Megatron's ``save_checkpoint`` writes for this model
-    (``state_dict_for_save_checkpoint()`` and ``optimizer.state_dict()``, one ``torch.save``
-    file written by rank 0) and what ``load_checkpoint`` does with it
-    (``load_state_dict(strict=True)`` on the model, ``optimizer.load_state_dict``), saved
-    with and without the flag and loaded on the other side; then one more step on the run
-    that continued, on the resumed one, and on one resumed without the optimizer state."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_cpu_harness import megatron_parallel
-
-    results = {}
-    with megatron_parallel():
+        results = rank_results["adam"][fmt]
         for saver_patched in (True, False):
-            path = f"{root}/torch_{'patched' if saver_patched else 'upstream'}/model_optim_rng.pt"
-            ddp, optimizer = _trainer(saver_patched, 5)
-            for step in range(2):
-                _train_step(ddp, optimizer, step)
-            if rank == 0:
-                torch.save({"model": ddp.module.state_dict_for_save_checkpoint(),
-                            "optimizer": optimizer.state_dict()}, path)
-            dist.barrier()
-            loaded = torch.load(path, weights_only=False)
-            resumed, resumed_optimizer = _trainer(not saver_patched, 6)
-            resumed.module.load_state_dict(loaded["model"], strict=True)
-            resumed_optimizer.load_state_dict(loaded["optimizer"])
-            fresh, fresh_optimizer = _trainer(not saver_patched, 7)
-            fresh.module.load_state_dict(loaded["model"], strict=True)
-            for model, model_optimizer in ((ddp, optimizer), (resumed, resumed_optimizer), (fresh, fresh_optimizer)):
-                _train_step(model, model_optimizer, 2)
-            results[saver_patched] = tuple(_plain_state(m.module) for m in (ddp, resumed, fresh))
-            dist.barrier()
-    return results
-
-
-def test_torch_format_resume_with_adam_state_across_the_flag(per_rank):
-    """Issue 19, defect 3: before the parameter kept the conv's shape, the patched model's
-    checkpoint did not load upstream (``size mismatch ... [16, 96] vs [16, 3, 2, 4, 4]``)
-    and Adam's upstream moments broke the patched step (shape ``[16, 3, 2, 4, 4]`` against
-    the ``[16, 96]`` gradient)."""
-    key = "patch_embed.proj.weight"
-    for rank_results in per_rank:
-        for saver_patched in (True, False):
-            continued, resumed, fresh = rank_results["torch_format"][saver_patched]
-            assert continued.keys() == resumed.keys()
-            for name, value in continued.items():
-                assert resumed[name].shape == value.shape, name
-                assert float((resumed[name] - value).abs().max()) <= RESUME_ATOL, name
-            assert float((fresh[key] - continued[key]).abs().max()) > RESUME_ATOL
+            continued, resumed, fresh = results[saver_patched]
+            assert_same_model(continued, resumed, key, atol=RESUME_ATOL)
+            with pytest.raises(AssertionError, match=key):
+                assert_same_model(continued, fresh, key, atol=RESUME_ATOL)
 
 
 def _layout(state: dict) -> dict:

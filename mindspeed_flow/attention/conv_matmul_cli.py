@@ -104,6 +104,11 @@ def convert_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         print(f"convert-patch-embed: {args.input} holds objects beyond tensors ({err}); "
               "rerun with --trust-checkpoint if you trust it")
         return 2
+    except ModuleNotFoundError as err:
+        print(f"convert-patch-embed: {args.input} pickles objects of {err.name!r} (Megatron checkpoints keep "
+              "their arguments); run this where the training job's packages import (MindSpeed-MM, MindSpeed, "
+              "Megatron on PYTHONPATH)")
+        return 2
     converted: list[str] = []
     refused: list[str] = []
     reshaped: dict[tuple[int, ...], tuple[int, ...]] = {}  # old shape -> new shape
