@@ -102,6 +102,17 @@ def test_ascend_defaults_never_override_the_user():
     assert report["TASK_QUEUE_ENABLE"].describe() == "TASK_QUEUE_ENABLE=1 (kept user value)"
 
 
+def test_defaults_the_plugin_set_in_the_launcher_are_not_reported_as_the_users():
+    """(issue 19, defect 6) torchrun's own process activates the plugin too (the flags are on
+    its command line): its workers find the defaults set and say who set them."""
+    launcher = {"TASK_QUEUE_ENABLE": "1"}
+    apply_ascend_env(launcher)
+    worker = {s.name: s for s in apply_ascend_env(dict(launcher))}
+    assert worker["PYTORCH_NPU_ALLOC_CONF"].describe() == (
+        "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True (set by the plugin in the launching process)")
+    assert worker["TASK_QUEUE_ENABLE"].describe() == "TASK_QUEUE_ENABLE=1 (kept user value)"
+
+
 ORDER = r"""
 import json, os, sys
 from mindspeed_flow.patches import activate

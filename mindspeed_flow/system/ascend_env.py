@@ -28,24 +28,38 @@ ASCEND_DEFAULTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# The defaults this plugin set, as the environment carries them to child processes: torchrun's
+# own process activates the plugin too (its command line holds the flags), so its workers find
+# the variables set and must not report them as the user's.
+SET_BY_PLUGIN = "MINDSPEED_FLOW_ASCEND_ENV_SET"
+
+
 @dataclass(frozen=True)
 class EnvSetting:
     name: str
     value: str
-    applied: bool  # False: the user's value was kept
+    applied: bool  # False: the value was already there
+    inherited: bool = False  # already there because the plugin set it in a parent process
 
     def describe(self) -> str:
-        return f"{self.name}={self.value} ({'set' if self.applied else 'kept user value'})"
+        how = "set" if self.applied else "set by the plugin in the launching process" if self.inherited \
+            else "kept user value"
+        return f"{self.name}={self.value} ({how})"
 
 
 def apply_ascend_env(environ: MutableMapping[str, str] | None = None) -> list[EnvSetting]:
     """Set each default the environment lacks; returns every variable's outcome."""
     environ = os.environ if environ is None else environ
+    ours = {n for n in environ.get(SET_BY_PLUGIN, "").split(",") if n}
     report = []
     for name, value, _ in ASCEND_DEFAULTS:
         if name in environ:
-            report.append(EnvSetting(name, environ[name], applied=False))
+            report.append(EnvSetting(name, environ[name], applied=False,
+                                     inherited=name in ours and environ[name] == value))
         else:
             environ[name] = value
+            ours.add(name)
             report.append(EnvSetting(name, value, applied=True))
+    if ours:
+        environ[SET_BY_PLUGIN] = ",".join(sorted(ours))
     return report

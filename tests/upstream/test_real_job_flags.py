@@ -24,12 +24,15 @@ from pathlib import Path
 
 import pytest
 from realjob import RealJob
+from test_real_job import JOBS  # the runs test_real_job.py makes, shared by name within a session
 
 from mindspeed_flow.allocator import Plan
 
+pytestmark = pytest.mark.timeout(1500)  # a test may start two real jobs on a loaded machine
+
 ROOT = Path(__file__).resolve().parents[2]
-FLOWTRAIN = RealJob(plugin=("--use-flowtrain",))  # "flow_pp1" of test_real_job.py: shared within a session
-PACKING_ALONE = RealJob(plugin=("--flow-packing",))
+PACKING_ALONE = JOBS["pack_pp1"]
+assert PACKING_ALONE.plugin == ("--flow-packing",)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ def assert_no_call_crosses_a_sample_boundary(run) -> None:
     assert all(c["packed"] for c in calls if max(c["samples_in_row"], default=0) > 1)
 
 
-@pytest.mark.parametrize("name, job", [("flag_packing", PACKING_ALONE),
+@pytest.mark.parametrize("name, job", [("pack_pp1", PACKING_ALONE),
                                        ("flag_packing_default_attn", DefaultAttentionJob(plugin=("--flow-packing",)))])
 def test_packing_alone_brings_the_varlen_attention_and_no_sample_sees_another(real_jobs, name, job):
     """Defect 2: before, the packs reached the LLM's attention with one causal mask over the
@@ -67,13 +70,13 @@ def test_packing_alone_brings_the_varlen_attention_and_no_sample_sees_another(re
 
 
 def test_flowtrain_packs_never_attend_across_samples(real_jobs):
-    run = real_jobs.run("flow_pp1", FLOWTRAIN)
+    run = real_jobs.run("flow_pp1", JOBS["flow_pp1"])
     assert_no_call_crosses_a_sample_boundary(run)
 
 
 def test_upstream_as_is_has_one_sample_per_row(real_jobs):
     """The reference the packed runs are held to: upstream's rows never hold two samples."""
-    run = real_jobs.run("up_pp1", RealJob())
+    run = real_jobs.run("up_pp1", JOBS["up_pp1"])
     assert all(max(c["samples_in_row"], default=0) <= 1 and not c["crosses"] for c in llm_calls(run))
 
 
@@ -126,21 +129,24 @@ def test_a_decoupled_plan_is_refused_with_the_reason(real_jobs, decoupled_plan, 
 # --------------------------------------------------------------------------- defect 6
 
 def test_the_log_says_what_the_plugin_did_at_pp1(real_jobs):
-    run = real_jobs.run("flow_pp1", FLOWTRAIN)
+    run = real_jobs.run("flow_pp1", JOBS["flow_pp1"])
     assert "no patches in this version" not in run.output
     # Megatron's own no-pipelining function runs at PP=1 without a layout: no bypass claim
     assert "one pipeline stage and no --flow-schedule-config: Megatron's own forward_backward_no_pipelining" \
         in run.output
     assert "bypassed" not in run.output
     assert "mindspeed-flow pool: inert in this job, no pool opened (backend torch unused)" in run.output
-    assert "mindspeed-flow system: bound local rank 0: cores " in run.output
+    system = [line for line in run.output.splitlines() if "mindspeed-flow system: bound local rank 0: cores " in line]
+    assert system, run.output[-3000:]
+    # torchrun's own process set the defaults (the flags are on its command line too): not the user
+    assert "kept user value" not in system[0] and "(set by the plugin in the launching process)" in system[0]
 
 
 def test_both_attention_paths_train_the_same_packs_alike(real_jobs):
     """With and without --use-flash-attn, the packs go through the same varlen attention (the
     default path's mask generator leaves packed calls alone: it used to fail building a
     dense mask from MindSpeed-MM's model config): same samples fed, same losses."""
-    flash = real_jobs.run("flag_packing", PACKING_ALONE)
+    flash = real_jobs.run("pack_pp1", PACKING_ALONE)
     default = real_jobs.run("flag_packing_default_attn", DefaultAttentionJob(plugin=("--flow-packing",)))
     assert flash.fed == default.fed
     for step, loss in flash.losses.items():
