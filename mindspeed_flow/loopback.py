@@ -151,7 +151,7 @@ def loopback_store_factory(tcp_store, *, gloo: bool = False):
                 kwargs[name] = value
         try:
             return tcp_store(*args, **kwargs)
-        except BaseException:
+        except TypeError:  # torch refused the arguments: it never took the socket
             os.close(fd)
             raise
 
