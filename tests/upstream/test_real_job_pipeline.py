@@ -2,7 +2,8 @@
 under torchrun on gloo ranks (``realjob.py``), 8 iterations each.
 
 - 1: ``--use-flowtrain`` (the packing loader decoding on the first stage only) at PP=2 and PP=4,
-  under the plugin's runtime and under Megatron's own 1F1B (``--no-flow-schedule``), finishes
+  under the plugin's runtime and under Megatron's own 1F1B (``--no-flow-schedule``; at PP=4 with a
+  validation split and evaluation), finishes
   (it deadlocked in the first step: stage 1 asked for its batch after a receive, inside a
   broadcast stage 0 could not leave); every stage is fed the first stage's batches; the
   per-iteration samples equal PP=1's (the same packs, only their order within a step
@@ -39,7 +40,7 @@ PIPELINE_JOBS = {
     "flow_pp2": RealJob(pp=2, plugin=FLOW, timeout_s=SLOW),
     "flow_pp2_1f1b": RealJob(pp=2, plugin=ONE_F_ONE_B, timeout_s=SLOW),
     "flow_pp4_eval": RealJob(pp=4, plugin=FLOW, val_rate=0.25, eval_interval=K, timeout_s=SLOW),
-    "flow_pp4_1f1b": RealJob(pp=4, plugin=ONE_F_ONE_B, timeout_s=SLOW),
+    "flow_pp4_1f1b": RealJob(pp=4, plugin=ONE_F_ONE_B, val_rate=0.25, eval_interval=K, timeout_s=SLOW),
     "up_vpp2": RealJob(pp=2, vpp=2),
     "sched_vpp2": RealJob(pp=2, vpp=2, plugin=("--flow-schedule",)),
     "flow_vpp2": RealJob(pp=2, vpp=2, plugin=FLOW, timeout_s=SLOW),
@@ -78,12 +79,20 @@ def test_flowtrain_pipeline_finishes_and_feeds_every_stage_the_first_stages_pack
         assert stages[pp] == stages[0], (pp, name)  # handed over, in the same order
 
 
-@pytest.mark.parametrize("name", ["flow_pp2", "flow_pp4_1f1b"])
-def test_flowtrain_pipeline_feeds_the_samples_pp1_feeds(real_jobs, name):
-    pp1 = run(real_jobs, "flow_pp1")
-    fed, fed1 = per_iteration_fed(run(real_jobs, name)), per_iteration_fed(pp1)
+def test_flowtrain_pp2_feeds_the_samples_pp1_feeds(real_jobs):
+    """The same packs per step as PP=1 (only their order within a step follows the pipeline),
+    over the first epoch: at an epoch's end the last, partial group of packs is ordered for the
+    pipeline together with the next epoch's first, so which of those a step gets may differ."""
+    fed, fed1 = per_iteration_fed(run(real_jobs, "flow_pp2")), per_iteration_fed(run(real_jobs, "flow_pp1"))
+    seen: set = set()
+    compared = 0
     for i in range(1, ITERS + 1):
+        if seen & set(fed1[i]) or len(seen) + len(fed1[i]) > JOBS["flow_pp1"].samples - 4:
+            break  # the first epoch's end is near: its last packs may mix with the next epoch's
+        seen |= set(fed1[i])
         assert Counter(fed[i]) == Counter(fed1[i]), i
+        compared += 1
+    assert compared >= 3
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -92,6 +101,7 @@ def test_runtime_and_megatron_1f1b_give_the_same_losses_with_the_packing_loader(
     theirs = run(real_jobs, f"flow_pp{pp}_1f1b")
     assert per_iteration_fed(ours) == per_iteration_fed(theirs)
     assert ours.exact_losses == theirs.exact_losses
+    assert ours.evaluated == theirs.evaluated
 
 
 def test_evaluation_runs_through_the_packing_loader_at_pp4(real_jobs):
