@@ -61,35 +61,6 @@ def set_features_list_wrapper(wrapped: Callable, instance: Any, args: tuple, kwa
     return wrapped(features)
 
 
-def generate_mask_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """MindSpeed's ``generate_mask.adaptor.dot_product_attention_forward_wrapper(fn)`` (its
-    ``GenerateMaskFeature``, stacked on ``DotProductAttention.forward``): the wrapper it
-    builds, except that a call with ``packed_seq_params`` goes straight to ``fn``.
-
-    Upstream, a causal call without a mask gets MindSpeed's global ``[S, S]`` mask; a packed
-    call of ours has no mask on purpose (the varlen path under it needs none), and without
-    ``--use-flash-attn`` building that mask fails on MindSpeed-MM's model config
-    (``'ConfigReader' object has no attribute 'transformer_impl'``).
-    """
-    from mindspeed_flow.adapters.megatron_core_attention import FORWARD_PARAMS
-
-    def bind(fn):
-        return fn
-
-    fn = bind(*args, **kwargs)
-    generating = wrapped(*args, **kwargs)
-
-    @functools.wraps(generating)
-    def forward(self, *call_args, **call_kwargs):
-        named = dict(zip(FORWARD_PARAMS, call_args))
-        named.update(call_kwargs)
-        if named.get("packed_seq_params") is not None:
-            return fn(self, *call_args, **call_kwargs)
-        return generating(self, *call_args, **call_kwargs)
-
-    return forward
-
-
 def apply_patches_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``MindSpeedPatchesManager.apply_patches()``, then re-apply what it replaced of ours.
 

@@ -103,6 +103,22 @@ def mm_gpt_forward(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
     return wrapped(*args, **kwargs)
 
 
+def no_global_mask_when_packed(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """MindSpeed's ``get_attention_mask(config)``, as its mask generator (``GenerateMaskFeature``,
+    the wrapper on ``DotProductAttention.forward`` without ``--use-flash-attn``) calls it for a
+    causal call that has no mask: ``None`` during a packed ``VLMModel.forward``.
+
+    A packed call has no mask on purpose (the varlen path under it needs none); building
+    MindSpeed's global ``[S, S]`` mask for it would fail on MindSpeed-MM's model config
+    (``'ConfigReader' object has no attribute 'transformer_impl'``).  The wrapper sits on the
+    module global the generator looks up at call time, not on the generator itself, so
+    ``remove()`` leaves ``DotProductAttention.forward``'s chain exactly as MindSpeed built it.
+    """
+    if _PACKED.get() is not None:
+        return None
+    return wrapped(*args, **kwargs)
+
+
 def prepare_mask_for_llm(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``prepare_positionsids_mask_for_llm``: no dense mask for a packed batch.
 

@@ -11,7 +11,7 @@ Qwen2-VL and Qwen3-VL ViTs take their ``cu_seqlens`` (varlen) path instead of a
 would reach the attention as one sequence under one causal mask.
 """
 
-from mindspeed_flow.adapters import megatron_core_attention, mindspeed, mindspeed_mm
+from mindspeed_flow.adapters import megatron_core_attention, mindspeed_mm
 from mindspeed_flow.patching import Patch
 
 FEATURE = "fused_attn"
@@ -80,13 +80,12 @@ PATCHES = [
     ),
     Patch(
         feature=FEATURE,
-        target="mindspeed.core.transformer.flash_attention.generate_mask.adaptor:dot_product_attention_forward_wrapper",
-        wrapper=mindspeed.generate_mask_wrapper,
-        params="fn",
+        target="mindspeed.core.transformer.flash_attention.generate_mask.adaptor:get_attention_mask",
+        wrapper=mindspeed_mm.no_global_mask_when_packed,
+        params="config",
         checked=("MindSpeed 028de58 (source)",),
         optional=True,
-        description="MindSpeed's mask generator (GenerateMaskFeature) passes packed calls to the varlen path "
-                    "without building a dense [S,S] mask",
+        description="MindSpeed's mask generator (GenerateMaskFeature) builds no dense [S,S] mask for a packed call",
     ),
     flash_attn_view(VIT, "Qwen2VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense block mask"),
     flash_attn_view(QWEN3_VIT, "Qwen3VLViT.forward reads use_flash_attn=True: cu_seqlens, no dense [1,S,S] mask"),
