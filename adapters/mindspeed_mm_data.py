@@ -13,8 +13,8 @@ With ``--flow-packing``:
   (the VLM conversation format): where the records and images are, which processor, the
   pixel bounds; nothing is preprocessed ahead.  Other dataset types pass through.
 - ``build_mm_dataloader`` turns that spec into a ``FlowDataLoader``: capacity
-  ``--seq-length``, ``window`` (default :data:`WINDOW`) and ``num_workers`` from
-  ``dataloader_param``, this rank's DP coordinates from the DP group upstream passes, decoding
+  ``--seq-length``, ``window`` (default :data:`WINDOW`) from ``dataloader_param``, decoding
+  processes from ``--num-workers`` (as upstream, which overrides the data JSON's value), this rank's DP coordinates from the DP group upstream passes, decoding
   on the lowest rank of the model-parallel group (first pipeline stage, TP rank 0), the
   batches handed to the other TP/PP ranks one step at a time, packs ordered per step for
   ``pp_size`` stages.  After a checkpoint load
@@ -342,7 +342,7 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     loader = FlowDataLoader(
         spec.source, load_processor(spec.processor_path), capacity=capacity,
         dp_rank=dist.get_rank(dp_group), dp_size=dist.get_world_size(dp_group),
-        num_workers=int(param.get("num_workers", 2)), seed=margs.seed, window=int(param.get("window", WINDOW)),
+        num_workers=margs.num_workers, seed=margs.seed, window=int(param.get("window", WINDOW)),
         pp_size=mpu.get_pipeline_model_parallel_world_size(), step_packs=get_num_microbatches(),
         group=peers if dist.get_world_size(peers) > 1 else None,
         device="cpu" if gloo else torch.device("cuda", torch.cuda.current_device()),

@@ -85,8 +85,9 @@ CHILD = textwrap.dedent("""
     param = json.load(open(config))["dataset_param"]
     param["basic_parameters"].update(dataset=corpus, dataset_dir=corpus)
     param["preprocess_parameters"].update(model_name_or_path=None, image_max_pixels=12544)
-    loader_param = {"dataloader_mode": "sampler", "num_workers": 2}
-    args = SimpleNamespace(micro_batch_size=1, seq_length=1024, seed=5, save=save_dir, load=None, iteration=0)
+    loader_param = {"dataloader_mode": "sampler", "num_workers": 7}  # upstream overrides it with --num-workers
+    args = SimpleNamespace(micro_batch_size=1, seq_length=1024, seed=5, save=save_dir, load=None, iteration=0,
+                           num_workers=2)
     set_args(args)
     spec = adapter.build_dataset(upstream, None, (param,), {})
     loader = adapter.build_dataloader(upstream, None, (spec, dict(loader_param)), {"process_group": None})
@@ -113,7 +114,7 @@ def test_swapped_loader_cycles_records_saves_and_resumes_on_megatron(upstream, t
     proc = run_python(CHILD, [str(corpus), str(tmp_path), str(config)],
                       env={"PYTHONPATH": upstream["MEGATRON_LM_SRC"]}, timeout=300)
     out = last_json(proc)
-    # --seq-length, DP group, num_workers, --seed, microbatches, the default window
+    # --seq-length, DP group, --num-workers, --seed, microbatches, the default window
     assert out["loader"] == [1024, 1, 2, 5, 4, adapter.WINDOW]
     assert out["others"] == [None, None]
     packs = out["first"] + out["rest"]

@@ -144,7 +144,8 @@ CHILD = textwrap.dedent("""
                                          tuple(i for i in range(120) if i % 5), "train")
     valid_spec = adapter.FlowDatasetSpec(corpus, corpus, None, None, 12544, tuple(held), "valid")
     loader_param = {"dataloader_mode": "sampler", "num_workers": 0}
-    args = SimpleNamespace(micro_batch_size=1, seq_length=1024, seed=5, save=save_dir, load=None, iteration=0)
+    args = SimpleNamespace(micro_batch_size=1, seq_length=1024, seed=5, save=save_dir, load=None, iteration=0,
+                           num_workers=0)
     set_args(args)
 
     def build():
