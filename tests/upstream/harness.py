@@ -51,6 +51,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # tests/: pinned_upstream, when used outside pytest
     sys.path.insert(0, str(HERE.parent))
 from pinned_upstream import Sources, upstream_sources  # noqa: E402
+from process_tree import kill_tree  # noqa: E402
 STANDINS = HERE / "standins"
 HOOKS = HERE / "harness_hooks"  # sitecustomize.py: the shim keeping torch's stores on 127.0.0.1
 DRIVER = HERE / "driver.py"
@@ -174,13 +175,14 @@ class UpstreamRun:
 
 
 def _run_in_own_group(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Run to completion; on timeout kill the whole process group (torchrun's workers too)."""
+    """Run to completion; on timeout kill torchrun and every process under it (its workers
+    are in sessions of their own and would keep the pipe open)."""
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         output, _ = proc.communicate()
         return -signal.SIGKILL, f"timed out after {RUN_TIMEOUT_S} s\n{output}"
     return proc.returncode, output

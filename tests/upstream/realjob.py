@@ -44,6 +44,7 @@ if str(HERE) not in sys.path:
 from pinned_upstream import upstream_sources  # noqa: E402
 
 import realjob_assets  # noqa: E402
+from process_tree import kill_tree  # noqa: E402
 
 HOOKS = HERE / "realjob_hooks"
 STANDINS = HERE / "standins"
@@ -370,7 +371,7 @@ def command(job: RealJob, script: Path, args: list[str]) -> list[str]:
 
 
 def _run_in_own_group(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> tuple[int, str]:
-    """Run to completion; on timeout kill the whole process group (torchrun's workers too)."""
+    """Run to completion; on timeout kill torchrun and every process under it."""
     with open(cwd / "output.log", "w+") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -378,14 +379,11 @@ def _run_in_own_group(cmd: list[str], cwd: Path, env: dict[str, str], timeout: i
             proc.wait(timeout=timeout)
             code = proc.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # torchrun's workers are in sessions of their own
             proc.wait()
             code = -signal.SIGKILL
         finally:
-            try:  # stray workers of the group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_tree(proc.pid)  # stray workers
         log.seek(0)
         output = log.read()
     if code == -signal.SIGKILL:
