@@ -325,7 +325,7 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
 
     margs = get_args()
     chunk = mpu.get_virtual_pipeline_model_parallel_rank() or 0
-    shared = _CHUNK_LOADERS.get(_spec_key(spec)) if chunk > 0 else None
+    shared = _CHUNK_LOADERS.get(spec) if chunk > 0 else None
     if shared is not None:
         return shared  # the first model chunk's loader: its iterator serves this chunk too (ChunkView)
     if margs.micro_batch_size != 1:
@@ -357,17 +357,14 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
             log.warning("--flow-packing: no loader state %s for iteration %d: the data starts from the first "
                         "epoch again (samples seen before the checkpoint may repeat)", path, margs.iteration)
     if mpu.get_virtual_pipeline_model_parallel_world_size():
-        _CHUNK_LOADERS[_spec_key(spec)] = loader
+        _CHUNK_LOADERS[spec] = loader
     return loader
 
 
 # Megatron builds the data iterators once per model chunk (virtual pipeline rank set); upstream's
-# chunks get copies of one loader.  The first chunk's loader, by spec, serves the later chunks.
+# chunks get copies of one loader.  The first chunk's loader, by spec (a frozen dataclass: equal
+# specs, one key), serves the later chunks.
 _CHUNK_LOADERS: dict = {}
-
-
-def _spec_key(spec: "FlowDatasetSpec") -> str:
-    return repr(spec)
 
 
 def build_iterations(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
