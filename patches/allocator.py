@@ -8,7 +8,7 @@ stage) are written into ``args`` before ``validate_args`` derives the rest.  Min
 the vision encoder's own TP size (used by ``--hetero-parallel``).
 """
 
-from mindspeed_flow.adapters import allocator_plan
+from mindspeed_flow.adapters.megatron import allocator_plan
 from mindspeed_flow.patching import Patch
 
 FEATURE = "allocator"

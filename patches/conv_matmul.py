@@ -8,7 +8,7 @@ parameters in the conv's shape: checkpoints (model and optimizer, ``torch`` and
 convert-patch-embed`` converts the flat-layout checkpoints of earlier versions.
 """
 
-from mindspeed_flow.adapters import mindspeed_mm
+from mindspeed_flow.adapters.mindspeed_mm import model as mindspeed_mm
 from mindspeed_flow.patching import Patch
 
 FEATURE = "conv_matmul"

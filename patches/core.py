@@ -3,7 +3,8 @@
 Always enabled when the plugin is active, whatever the feature flags say.
 """
 
-from mindspeed_flow.adapters import megatron_training, mindspeed
+from mindspeed_flow.adapters.megatron import training as megatron_training
+from mindspeed_flow.adapters.mindspeed import feature as mindspeed
 from mindspeed_flow.patching import Patch
 
 FEATURE = "core"

@@ -11,7 +11,8 @@ Qwen2-VL and Qwen3-VL ViTs take their ``cu_seqlens`` (varlen) path instead of a
 would reach the attention as one sequence under one causal mask.
 """
 
-from mindspeed_flow.adapters import megatron_core_attention, mindspeed_mm
+from mindspeed_flow.adapters.megatron import attention as megatron_core_attention
+from mindspeed_flow.adapters.mindspeed_mm import model as mindspeed_mm
 from mindspeed_flow.patching import Patch
 
 FEATURE = "fused_attn"

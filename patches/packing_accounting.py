@@ -1,9 +1,9 @@
 """Feature ``packing`` (``--flow-packing``): consumed samples, tokens and the LR schedule
 count the samples packed microbatches really held (see
-:mod:`mindspeed_flow.adapters.mindspeed_mm_training`).  The loader swap itself is declared
+:mod:`mindspeed_flow.adapters.mindspeed_mm.training`).  The loader swap itself is declared
 with the loader's patches."""
 
-from mindspeed_flow.adapters import mindspeed_mm_training
+from mindspeed_flow.adapters.mindspeed_mm import training as mindspeed_mm_training
 from mindspeed_flow.patching import Patch
 
 FEATURE = "packing"

@@ -1,8 +1,8 @@
 """Feature ``packing`` (``--flow-packing``): MindSpeed-MM's data path swapped for the
-distributed online-packing loader (see :mod:`mindspeed_flow.adapters.mindspeed_mm_data`).
+distributed online-packing loader (see :mod:`mindspeed_flow.adapters.mindspeed_mm.data`).
 The consumed-samples accounting is declared in :mod:`.packing_accounting`."""
 
-from mindspeed_flow.adapters import mindspeed_mm_data
+from mindspeed_flow.adapters.mindspeed_mm import data as mindspeed_mm_data
 from mindspeed_flow.patching import Patch
 
 FEATURE = "packing"

@@ -4,9 +4,9 @@ clipping after the optimizer's gradient preparation, dynamic per-task loss weigh
 MindSpeed-MM's ``VLMModel`` loss (their state saved in and restored from Megatron's
 checkpoint)."""
 
-from mindspeed_flow.adapters import megatron_checkpoint_extra as checkpoint_extra
-from mindspeed_flow.adapters import megatron_core_recipes as recipes
-from mindspeed_flow.adapters import mindspeed_mm_loss
+from mindspeed_flow.adapters.megatron import checkpoint as checkpoint_extra
+from mindspeed_flow.adapters.megatron import recipes
+from mindspeed_flow.adapters.mindspeed_mm import loss as mindspeed_mm_loss
 from mindspeed_flow.patching import Patch
 
 FEATURE = "recipes"

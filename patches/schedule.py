@@ -1,13 +1,13 @@
 """Feature ``schedule`` (``--flow-schedule``, layout from ``--flow-schedule-config``): Megatron's
 ``get_forward_backward_func()`` returns the mindspeed-flow runtime running a composed plan
-(:mod:`mindspeed_flow.adapters.megatron_core_schedule`).  Without a layout it runs Megatron's
+(:mod:`mindspeed_flow.adapters.megatron.schedule`).  Without a layout it runs Megatron's
 own 1F1B / interleaved order, so turning it on changes no number; features that swap the
 same schedule (DualPipeV, RiPipe, ``--hetero-parallel``) are refused when arguments are
 validated; ``--variable-seq-lengths`` composes (its p2p patch is never reached: every transfer
 of our runtime carries its own shape).
 """
 
-from mindspeed_flow.adapters import megatron_core_schedule
+from mindspeed_flow.adapters.megatron import schedule as megatron_core_schedule
 from mindspeed_flow.patching import Patch
 
 FEATURE = "schedule"

@@ -102,7 +102,7 @@ def _worker(rank: int, world_size: int, microbatches: int, steps: int) -> dict:
     from megatron.core.pipeline_parallel import schedules
     from megatron_cpu_harness import TinyGPTSpec, build_stage_model, megatron_parallel
 
-    from mindspeed_flow.adapters import megatron_core_schedule as adapter
+    from mindspeed_flow.adapters.megatron import schedule as adapter
     from mindspeed_flow.runtime import Binding, Executor
 
     spec = TinyGPTSpec(num_microbatches=microbatches, seq_length=PATCHES + TEXT, micro_batch_size=1)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from mindspeed_flow.adapters import megatron_core_recipes
+from mindspeed_flow.adapters.megatron import recipes as megatron_core_recipes
 from mindspeed_flow.patches import recipes as recipes_patches
 from mindspeed_flow.patching import PatchRegistry
 from mindspeed_flow.recipes.module_clip import clip_grads_per_module

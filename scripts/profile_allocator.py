@@ -23,9 +23,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mindspeed_flow.adapters.megatron_core import megatron_core_version
-from mindspeed_flow.adapters.megatron_core_profile import BlockShape, measure
-from mindspeed_flow.adapters.profile_device import DEVICES, DeviceUnavailableError, select_device
+from mindspeed_flow.adapters.megatron.core import megatron_core_version
+from mindspeed_flow.adapters.megatron.profile import BlockShape, measure
+from mindspeed_flow.adapters.devices.profile import DEVICES, DeviceUnavailableError, select_device
 from mindspeed_flow.allocator import Profile
 
 ENCODER = dict(module="encoder", layers=2, hidden=320, heads=4, ffn=864, query_groups=4)

@@ -247,7 +247,7 @@ def megatron_parallel(pipeline_parallel_size: int = 1) -> Iterator[None]:
     the body; both are undone on exit, so one launch can run several configurations."""
     from megatron.core import parallel_state
 
-    from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
+    from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
 
     shims = enable_cpu_shims()
     try:
@@ -323,7 +323,7 @@ def transformer_config(spec: TinyGPTSpec, chunks: int | None = None) -> Any:
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides
+    from mindspeed_flow.adapters.megatron.core import cpu_safe_config_overrides
 
     return TransformerConfig(
         num_layers=spec.num_layers,

@@ -67,7 +67,7 @@ def decoupled_worker(rank, world_size, state, name, layout, backend):
     from test_runtime_vlm import MICROBATCHES, _batches, _spec, _vit
     from tiny_vlm import TextStage, forward_step
 
-    from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
+    from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
     from mindspeed_flow.pool import open_pool
     from mindspeed_flow.pool.tensor_parallel import TensorParallelPool
     from mindspeed_flow.runtime import Binding, Executor

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mindspeed_flow.adapters.allocator_plan import apply_to_megatron_args, apply_to_mm_model
+from mindspeed_flow.adapters.megatron.allocator_plan import apply_to_megatron_args, apply_to_mm_model
 from mindspeed_flow.allocator import AllocatorError, BackboneConfig, EncoderConfig, Plan, Prediction
 from mindspeed_flow.allocator.upstream import megatron_args, mindspeed_mm_args
 from pinned_upstream import upstream_sources

@@ -12,7 +12,7 @@ pytest.importorskip("megatron.core")
 
 
 def test_tp2_block_is_measured_on_megatron_layers(tmp_path):
-    from mindspeed_flow.adapters.megatron_core_profile import BlockShape, measure
+    from mindspeed_flow.adapters.megatron.profile import BlockShape, measure
 
     shapes = [BlockShape("backbone", layers=2, hidden=64, heads=4, ffn=176, query_groups=2, tp=2,
                          micro_batch=mbs, seq=seq) for mbs, seq in ((1, 32), (2, 64))]
@@ -39,8 +39,8 @@ def test_profiling_device_is_selected_at_run_time_and_a_missing_one_is_named():
     NPU device is refused, naming what is missing, before any process starts."""
     import torch
 
-    from mindspeed_flow.adapters.megatron_core_profile import BlockShape, measure
-    from mindspeed_flow.adapters.profile_device import DeviceUnavailableError, select_device
+    from mindspeed_flow.adapters.megatron.profile import BlockShape, measure
+    from mindspeed_flow.adapters.devices.profile import DeviceUnavailableError, select_device
 
     if torch.cuda.is_available():
         pytest.skip("this test describes a machine without CUDA")
@@ -63,7 +63,7 @@ def test_cuda_selection_with_a_mocked_gpu_count(monkeypatch):
     TP size are named; the CPU path then refuses to run on such a machine."""
     import torch
 
-    from mindspeed_flow.adapters.profile_device import DeviceUnavailableError, select_device
+    from mindspeed_flow.adapters.devices.profile import DeviceUnavailableError, select_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

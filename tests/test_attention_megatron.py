@@ -26,7 +26,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
-from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides, enable_cpu_shims
+from mindspeed_flow.adapters.megatron.core import cpu_safe_config_overrides, enable_cpu_shims
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no TCP store listens
 shims = enable_cpu_shims()
@@ -74,7 +74,7 @@ from mindspeed_flow.patches import fused_attn
 registry = PatchRegistry(fused_attn.PATCHES)
 registry.enable({"fused_attn"})
 
-from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
+from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mindspeed_flow.adapters import mindspeed_mm
+from mindspeed_flow.adapters.mindspeed_mm import model as mindspeed_mm
 from mindspeed_flow.patching import Patch, PatchRegistry
 from mindspeed_flow.patches import conv_matmul, fused_attn
 

@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mindspeed_flow.adapters import flash_attn as flash_adapter
-from mindspeed_flow.adapters import torch_npu as npu_adapter
-from mindspeed_flow.adapters.flash_attn import flash_varlen_args
-from mindspeed_flow.adapters.torch_npu import COMPRESSED_MASK_SIZE, UNBOUNDED, compressed_mask, npu_fusion_attention_args
+from mindspeed_flow.adapters.devices import flash_attn as flash_adapter
+from mindspeed_flow.adapters.devices import torch_npu as npu_adapter
+from mindspeed_flow.adapters.devices.flash_attn import flash_varlen_args
+from mindspeed_flow.adapters.devices.torch_npu import COMPRESSED_MASK_SIZE, UNBOUNDED, compressed_mask, npu_fusion_attention_args
 from mindspeed_flow.attention import VarlenBackend, select_backend, varlen_attention
 from mindspeed_flow.attention import backends as backends_module
 from mindspeed_flow.attention import sdpa as sdpa_module

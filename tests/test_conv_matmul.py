@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mindspeed_flow.adapters.mindspeed_mm import swap_conv_after_init
+from mindspeed_flow.adapters.mindspeed_mm.model import swap_conv_after_init
 from mindspeed_flow.attention import conv_matmul_cli
 from mindspeed_flow.attention.patch_embed import (
     ConvNotReplaceable,

@@ -82,7 +82,7 @@ def _vit_config():
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides
+    from mindspeed_flow.adapters.megatron.core import cpu_safe_config_overrides
 
     return TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=32,
                              hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
@@ -96,7 +96,7 @@ def _build_clip(patched: bool, seed: int):
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from mindspeed_flow.adapters.mindspeed_mm import swap_conv_after_init
+    from mindspeed_flow.adapters.mindspeed_mm.model import swap_conv_after_init
 
     torch.manual_seed(seed)
     kwargs = dict(ln_pre_impl=WrappedTorchNorm, ln_post_impl=WrappedTorchNorm, patch_dim=4, img_h=8, img_w=8)
@@ -115,7 +115,7 @@ def _build_qwen_like(patched: bool, seed: int):
     from megatron.core.transformer.module import MegatronModule
     from torch import nn
 
-    from mindspeed_flow.adapters.mindspeed_mm import swap_conv_after_init
+    from mindspeed_flow.adapters.mindspeed_mm.model import swap_conv_after_init
 
     class PatchEmbedStandIn(nn.Module):
         def __init__(self, in_channels: int, embed_dim: int) -> None:

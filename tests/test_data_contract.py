@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed_flow.adapters import mindspeed_mm
+from mindspeed_flow.adapters.mindspeed_mm import model as mindspeed_mm
 from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.batch import TENSOR_KEYS
 from mindspeed_flow.patching.source import find_in_source

@@ -48,7 +48,7 @@ def _worker(rank, world_size, corpus, flags):
     from megatron_cpu_harness import TinyGPTSpec, build_stage_model, megatron_parallel
 
     from mindspeed_flow.activation import deactivate
-    from mindspeed_flow.adapters.mindspeed_mm_data import FlowTrainIterator
+    from mindspeed_flow.adapters.mindspeed_mm.data import FlowTrainIterator
     from mindspeed_flow.data import FlowDataLoader
     from mindspeed_flow.patches import activate
 
@@ -128,7 +128,7 @@ def _interleaved_worker(rank, world_size, corpus, flags):
     from megatron_cpu_harness import TinyGPTSpec, build_interleaved_chunks, megatron_virtual_parallel
 
     from mindspeed_flow.activation import deactivate
-    from mindspeed_flow.adapters.mindspeed_mm_data import FlowTrainIterator
+    from mindspeed_flow.adapters.mindspeed_mm.data import FlowTrainIterator
     from mindspeed_flow.data import FlowDataLoader
     from mindspeed_flow.data.handoff import ChunkView
     from mindspeed_flow.patches import activate

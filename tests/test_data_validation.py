@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_flow.adapters import mindspeed_mm_data as adapter
+from mindspeed_flow.adapters.mindspeed_mm import data as adapter
 from mindspeed_flow.data import FlowDataLoader
 
 from data_corpus import SAMPLES, demo_corpus, epoch_ids
@@ -130,7 +130,7 @@ CHILD = textwrap.dedent("""
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.training.global_vars import set_args
-    from mindspeed_flow.adapters import mindspeed_mm_data as adapter
+    from mindspeed_flow.adapters.mindspeed_mm import data as adapter
     from mindspeed_flow.data.accounting import ACCOUNTING
 
     parallel_state.initialize_model_parallel(1, 1)

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from mindspeed_flow.adapters.megatron_training import with_flow_arguments
+from mindspeed_flow.adapters.megatron.training import with_flow_arguments
 from mindspeed_flow.config import ENV_VAR, FEATURE_NAMES, FlowConfig, add_flow_arguments, flags_requested
 from mindspeed_flow.patches import core as core_patches
 from mindspeed_flow.patching import PatchRegistry

@@ -22,7 +22,7 @@ from megatron_cpu_harness import (
     run_pipelined,
     run_reference,
 )
-from mindspeed_flow.adapters import megatron_core as adapter
+from mindspeed_flow.adapters.megatron import core as adapter
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None

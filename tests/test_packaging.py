@@ -27,7 +27,7 @@ def test_wheel_holds_the_mapped_packages_and_the_hook(tmp_path):
     (wheel,) = tmp_path.glob("mindspeed_flow-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for expected in ["mindspeed_flow/__init__.py", "mindspeed_flow/adapters/__init__.py",
-                     "mindspeed_flow/adapters/megatron_training.py", "mindspeed_flow/patches/core.py",
+                     "mindspeed_flow/adapters/megatron/training.py", "mindspeed_flow/patches/core.py",
                      "mindspeed_flow/patching/registry.py", "mindspeed_flow_autoload.pth"]:
         assert expected in names, expected
     assert not any(n.startswith(("adapters/", "patches/", "tests/")) for n in names)
@@ -38,7 +38,7 @@ def test_wheel_holds_the_mapped_packages_and_the_hook(tmp_path):
 def test_plain_install_imports_from_the_installed_copy(tmp_path):
     target = tmp_path / "site"
     pip("install", "--no-deps", "--no-build-isolation", "--target", str(target), str(ROOT))
-    code = ("import json, mindspeed_flow.adapters.mindspeed as a, mindspeed_flow.patches.core as p; "
+    code = ("import json, mindspeed_flow.adapters.mindspeed.feature as a, mindspeed_flow.patches.core as p; "
             "print(json.dumps([a.__file__, p.__file__]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)

@@ -122,7 +122,7 @@ def train_loop_worker(rank: int, world_size: int, root: str, expressions: dict[s
     from megatron.training.global_vars import set_args
 
     from megatron_cpu_harness import megatron_parallel
-    from mindspeed_flow.adapters.mindspeed_mm_training import train_step_real_samples
+    from mindspeed_flow.adapters.mindspeed_mm.training import train_step_real_samples
     from mindspeed_flow.data.accounting import record_microbatch
 
     assert mpu.__file__.startswith(root)

@@ -44,7 +44,7 @@ def _decoupled(rank, world_size, state, name, mooncake):
     from test_runtime_vlm import _batches, _spec, _vit
     from tiny_vlm import TextStage, forward_step
 
-    from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
+    from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
     from mindspeed_flow.pool import open_pool
     from mindspeed_flow.runtime import Binding, Executor
 

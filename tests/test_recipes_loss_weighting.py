@@ -175,7 +175,8 @@ def test_checkpoint_round_trip_continues_the_uninterrupted_weighting(tmp_path):
 
 @pytest.fixture
 def patch_state():
-    from mindspeed_flow.adapters import megatron_core_recipes, mindspeed_mm_loss
+    from mindspeed_flow.adapters.megatron import recipes as megatron_core_recipes
+    from mindspeed_flow.adapters.mindspeed_mm import loss as mindspeed_mm_loss
 
     megatron_core_recipes.configure(argparse.Namespace(flow_loss_weighting=["*caption*=caption", "*text*=text"],
                                                        flow_loss_weighting_beta=0.5))
@@ -189,7 +190,7 @@ def test_checkpoint_patch_saves_and_restores_the_patch_weighting(patch_state):
     """The two checkpoint wrappers around stand-ins for Megatron's ``generate_state_dict`` and
     ``_load_base_checkpoint`` (``megatron.training`` is not installed in this venv; the real
     ones run in ``tests/upstream/test_upstream_loss_weighting.py``)."""
-    from mindspeed_flow.adapters import megatron_checkpoint_extra as extra
+    from mindspeed_flow.adapters.megatron import checkpoint as extra
 
     def generate_state_dict(*args, **kwargs):  # stand-in for Megatron's
         return {"iteration": 1}
@@ -225,7 +226,7 @@ def test_checkpoint_patch_saves_and_restores_the_patch_weighting(patch_state):
 
 
 def test_checkpoint_format_with_pipeline_stages_is_refused_by_name():
-    from mindspeed_flow.adapters.mindspeed_mm_loss import _check_checkpoint_format
+    from mindspeed_flow.adapters.mindspeed_mm.loss import _check_checkpoint_format
 
     _check_checkpoint_format(argparse.Namespace(save="ckpt", ckpt_format="torch"), 2)
     _check_checkpoint_format(argparse.Namespace(save="ckpt", ckpt_format="torch_dist"), 1)

@@ -83,7 +83,7 @@ def chained_worker(rank: int, world_size: int, spec: TinyGPTSpec, state_dict: di
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer, MegatronOptimizer
 
     from megatron_param_groups import megatron_param_groups
-    from mindspeed_flow.adapters import megatron_core_recipes
+    from mindspeed_flow.adapters.megatron import recipes as megatron_core_recipes
     from mindspeed_flow.patches import recipes as recipes_patches
     from mindspeed_flow.patching import PatchRegistry
 

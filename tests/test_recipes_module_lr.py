@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from megatron_param_groups import megatron_param_groups
-from mindspeed_flow.adapters import megatron_core_recipes
+from mindspeed_flow.adapters.megatron import recipes as megatron_core_recipes
 from mindspeed_flow.patches import recipes as recipes_patches
 from mindspeed_flow.patching import PatchRegistry
 from mindspeed_flow.recipes.module_lr import MODULE_KEY, RecipeConfigError, module_lr_settings

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mindspeed_flow.adapters import megatron_core_schedule as adapter
+from mindspeed_flow.adapters.megatron import schedule as adapter
 from mindspeed_flow.runtime.layout import load_layout, local_visits, megatron_layout, plan_for, vlm_layout
 from mindspeed_flow.schedule import Interleaved1F1B, OneFOneB, ScheduleError, Transpose
 

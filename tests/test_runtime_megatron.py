@@ -92,7 +92,7 @@ def _one_f_one_b_cases(rank, world_size, with_varlen):
     from megatron.core.pipeline_parallel import schedules
     from megatron_cpu_harness import TinyGPTSpec, build_stage_model, megatron_parallel
 
-    from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
+    from mindspeed_flow.adapters.megatron.schedule import flow_forward_backward
 
     spec = TinyGPTSpec(num_microbatches=4)
     megatron = schedules.forward_backward_pipelining_without_interleaving
@@ -140,7 +140,7 @@ def _under_megatron_ddp(spec, megatron):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron_cpu_harness import build_stage_model
 
-    from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
+    from mindspeed_flow.adapters.megatron.schedule import flow_forward_backward
 
     model = build_stage_model(spec)
     ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
@@ -164,7 +164,7 @@ def _patched(model, spec, megatron):
     from megatron.core.pipeline_parallel import schedules
 
     from mindspeed_flow.activation import deactivate
-    from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
+    from mindspeed_flow.adapters.megatron.schedule import flow_forward_backward
     from mindspeed_flow.patches import activate
 
     activate(["--flow-schedule"], environ={})
@@ -187,7 +187,7 @@ def _interleaved(world_size, chunks_per_rank=2):
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
     from megatron_cpu_harness import TinyGPTSpec, build_interleaved_chunks, megatron_virtual_parallel
 
-    from mindspeed_flow.adapters.megatron_core_schedule import flow_forward_backward
+    from mindspeed_flow.adapters.megatron.schedule import flow_forward_backward
 
     from megatron.core import parallel_state
 

@@ -80,7 +80,7 @@ def megatron(corpus):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
+    from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
 
     registry = _fused_attn_registry()
     owns_group = not dist.is_initialized()

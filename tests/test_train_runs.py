@@ -143,7 +143,7 @@ def _flat(trainer) -> torch.Tensor:
 def _worker(rank, world_size):
     from megatron.core import parallel_state
 
-    from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
+    from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
     from mindspeed_flow.train.launch import DistEnv
     from mindspeed_flow.train.trainer import (CheckpointMismatch, build_trainer, destroy_megatron_parallel,
                                               peak_memory_mb)

@@ -106,7 +106,7 @@ def _rank_session(env: DistEnv, init: Callable[[timedelta], None], timeout_s: fl
     dist.barrier()
     shims = None
     if env.cpu and megatron:
-        from mindspeed_flow.adapters.megatron_core import enable_cpu_shims
+        from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
 
         shims = enable_cpu_shims()
 

@@ -275,7 +275,7 @@ def gpt_config(cfg: ModelConfig, layers: list[int]) -> Any:
     module docstring."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mindspeed_flow.adapters.megatron_core import cpu_safe_config_overrides
+    from mindspeed_flow.adapters.megatron.core import cpu_safe_config_overrides
 
     return TransformerConfig(
         num_layers=sum(layers), hidden_size=cfg.llm_hidden, num_attention_heads=cfg.llm_heads,

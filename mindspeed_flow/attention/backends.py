@@ -2,7 +2,7 @@
 
 The core cannot import ``torch_npu`` or ``flash_attn`` (they exist only on their
 devices), so device kernels are registered from ``mindspeed_flow.adapters``
-(``adapters/torch_npu.py``, ``adapters/flash_attn.py``) when those are imported; the
+(``adapters/devices/torch_npu.py``, ``adapters/devices/flash_attn.py``) when those are imported; the
 fused-attention patches import them.  The portable SDPA backend is registered by the core
 itself and serves every device no kernel was registered for.
 """
@@ -85,7 +85,7 @@ def select_backend(
         if name not in _BACKENDS:
             raise ValueError(
                 f"unknown varlen attention backend {name!r}; registered: {sorted(_BACKENDS)} "
-                "(device backends register when mindspeed_flow.adapters.torch_npu / .flash_attn are imported)"
+                "(device backends register when mindspeed_flow.adapters.devices.torch_npu / .flash_attn are imported)"
             )
         backend = _BACKENDS[name]
         reason = backend.unusable(dtype)

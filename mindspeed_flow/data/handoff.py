@@ -10,7 +10,7 @@ deadlocks every pipeline (PP >= 2), whatever the schedule.
 The hand-off instead: :meth:`StepBatches.handoff` (``n`` = the step's microbatches) is
 called by *every* rank of the group at a point each of them reaches before the step's first
 point-to-point transfer - the start of ``forward_backward_func``, train step and evaluation
-alike (:mod:`mindspeed_flow.adapters.mindspeed_mm_data` wraps whatever function
+alike (:mod:`mindspeed_flow.adapters.mindspeed_mm.data` wraps whatever function
 ``get_forward_backward_func`` returns).  The decoding rank takes ``n`` batches from its
 loader and sends them (:func:`.broadcast.send_step`: a header, one tensor per dtype, on
 ``device`` for nccl/hccl); the peers receive them and keep them; ``next()`` then only pops a

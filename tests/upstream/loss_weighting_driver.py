@@ -72,7 +72,7 @@ def save_and_resume(model, batch: dict) -> dict:
     from megatron.training import get_args
     from megatron.training.checkpointing import get_checkpoint_name, load_checkpoint, save_checkpoint
 
-    from mindspeed_flow.adapters import mindspeed_mm_loss
+    from mindspeed_flow.adapters.mindspeed_mm import loss as mindspeed_mm_loss
 
     args = get_args()
     before_save = mindspeed_mm_loss.current_weighting().state_dict()

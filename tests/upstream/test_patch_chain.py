@@ -15,7 +15,7 @@ import pytest
 
 
 def ours_in(layers: list[str]) -> int:
-    return sum(layer.startswith("wrapt ") and "megatron_core_attention.py:dot_product_attention_forward" in layer
+    return sum(layer.startswith("wrapt ") and "adapters/megatron/attention.py:dot_product_attention_forward" in layer
                for layer in layers)
 
 

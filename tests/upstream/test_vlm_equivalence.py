@@ -76,7 +76,7 @@ def test_the_runs_went_through_the_stand_in_kernels_and_the_plugin(runs):
     assert ours.result["standin"]["called"]["npu_fusion_attention"] < plain.result["standin"]["called"]["npu_fusion_attention"]
 
 
-FLOW_FORWARD_BACKWARD = "mindspeed_flow.adapters.megatron_core_schedule:flow_forward_backward"
+FLOW_FORWARD_BACKWARD = "mindspeed_flow.adapters.megatron.schedule:flow_forward_backward"
 SCHEDULE_GETTER = "megatron.core.pipeline_parallel.schedules:get_forward_backward_func"
 
 

@@ -54,7 +54,7 @@ from mindspeed_flow.data.accounting import record_microbatch
 from mindspeed_flow.data.batch import completed_samples, pack_multiple, real_tokens
 from mindspeed_flow.data.handoff import ChunkView, StepBatches
 
-from .mindspeed_mm import _argument
+from .model import _argument
 
 log = logging.getLogger(__name__)
 

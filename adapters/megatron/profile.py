@@ -7,7 +7,7 @@ hidden states of ``[seq, micro_batch, hidden]``; the median wall times become a
 joined over gloo on 127.0.0.1, with Megatron's parallel state set up for that TP size, so
 the measured time includes Megatron's real TP all-reduces.  On the CPU the CUDA
 assumptions are bridged by :func:`~.megatron_core.enable_cpu_shims`; on a CUDA GPU or an
-Ascend NPU (:mod:`.profile_device`, chosen at run time) the block, its input and the GEMM
+Ascend NPU (:mod:`..devices.profile`, chosen at run time) the block, its input and the GEMM
 peak live on the rank's device, TP runs over nccl / hccl and times come from device
 events, with no shims.  Only the CPU path has been run.
 """
@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from mindspeed_flow.allocator.profile import ProfilePoint
 from mindspeed_flow.allocator.specs import ModuleSpec
 
-from .profile_device import ProfileDevice, select_device
+from ..devices.profile import ProfileDevice, select_device
 
 LOOPBACK = "127.0.0.1"
 
@@ -59,7 +59,7 @@ def _block(shape: BlockShape, on_cpu: bool) -> torch.nn.Module:
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .megatron_core import cpu_safe_config_overrides
+    from .core import cpu_safe_config_overrides
 
     config = TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
@@ -100,7 +100,7 @@ def _measure_here(shape: BlockShape, device: ProfileDevice, rank: int, warmup: i
                   repeats: int) -> tuple[ProfilePoint, int]:
     from megatron.core import parallel_state, tensor_parallel
 
-    from .megatron_core import enable_cpu_shims
+    from .core import enable_cpu_shims
 
     shims = enable_cpu_shims() if device.kind == "cpu" else None
     try:
@@ -159,7 +159,7 @@ class Measured:
 
 def measure(shapes: list[BlockShape], warmup: int = 2, repeats: int = 5, device: str = "cpu") -> Measured:
     """Measure shapes of one TP size in ``tp`` fresh processes, on ``device`` (``"cpu"``,
-    ``"cuda"``, ``"npu"`` or ``"auto"``, see :func:`.profile_device.select_device`; a missing
+    ``"cuda"``, ``"npu"`` or ``"auto"``, see :func:`..devices.profile.select_device`; a missing
     device is refused before any process starts).  All processes are joined (or killed by
     ``torch.multiprocessing``) before this returns."""
     tps = {s.tp for s in shapes}

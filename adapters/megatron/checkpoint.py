@@ -17,7 +17,7 @@ either.  The megatron-core wheel has no ``megatron.training``: there is nothing 
   last pipeline stage computes the loss, so only its files carry it; with PP > 1 that needs
   ``--ckpt-format torch`` (refused otherwise at the first weighted step).
 * Load: after the real load (not the ``rank0=True`` peek at the metadata) the entry is
-  handed to :func:`~mindspeed_flow.adapters.mindspeed_mm_loss.restore_state`, unless
+  handed to :func:`~mindspeed_flow.adapters.mindspeed_mm.loss.restore_state`, unless
   ``--finetune`` (which restarts the optimizer and the schedule too: the weights restart at
   1).  A last-stage rank whose checkpoint has no entry (saved without the flag) logs that the
   weights start at 1.
@@ -28,9 +28,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from . import megatron_core_recipes as recipes
-from . import mindspeed_mm_loss
-from .mindspeed_mm import _argument
+from . import recipes
+from ..mindspeed_mm import loss as mindspeed_mm_loss
+from ..mindspeed_mm.model import _argument
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import wrapt
 
 from mindspeed_flow.data.accounting import ACCOUNTING, consumed_correction, scheduler_increment
 
-from .mindspeed_mm import _argument, _with_argument
+from .model import _argument, _with_argument
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ The wrappers here make a packed batch flow without any dense mask: the loader's
 ``cu_seqlens`` become ``PackedSeqParams`` that reach the decoder, the LLM mask builder
 returns no mask for it, the ViT modules see ``use_flash_attn`` as True (their packed path),
 and M-RoPE is applied on the unsqueezed query.  Attention itself is then served by the
-``DotProductAttention`` patch (:mod:`.megatron_core_attention`).  Nothing upstream is
+``DotProductAttention`` patch (:mod:`..megatron.attention`).  Nothing upstream is
 imported at module level.
 """
 

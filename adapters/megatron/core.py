@@ -2,7 +2,7 @@
 pipeline schedules run on a CPU-only machine over gloo.
 
 Importing this module is cheap: megatron is imported only inside the functions that need it,
-so ``import mindspeed_flow.adapters.megatron_core`` works (and costs nothing) on a machine
+so ``import mindspeed_flow.adapters.megatron.core`` works (and costs nothing) on a machine
 without megatron-core.
 
 The shims exist for tests and the CPU demo only. megatron-core assumes CUDA in a handful of

@@ -21,8 +21,8 @@ import torch
 
 from mindspeed_flow.attention import varlen_attention
 
-from . import flash_attn as _flash_attn  # noqa: F401  (registers the CUDA kernel)
-from . import torch_npu as _torch_npu  # noqa: F401  (registers the NPU kernel)
+from ..devices import flash_attn as _flash_attn  # noqa: F401  (registers the CUDA kernel)
+from ..devices import torch_npu as _torch_npu  # noqa: F401  (registers the NPU kernel)
 
 FORWARD_PARAMS = (
     "query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias", "packed_seq_params",

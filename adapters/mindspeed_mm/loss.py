@@ -20,7 +20,7 @@ the weights once per iteration.  Only in training (``model.training``); evaluati
 upstream's loss.  Nothing upstream is imported at module level.
 
 The weighting's state goes into Megatron's checkpoint through
-:mod:`~mindspeed_flow.adapters.megatron_checkpoint_extra`, which reads it with
+:mod:`~mindspeed_flow.adapters.megatron.checkpoint`, which reads it with
 :func:`saved_state` and gives a loaded one back with :func:`restore_state` (kept pending
 until the first weighted microbatch makes the weighting).
 """
@@ -35,8 +35,8 @@ import torch
 
 from mindspeed_flow.recipes.loss_weighting import IGNORE, LossWeighting, per_sample_sums
 
-from . import megatron_core_recipes as recipes
-from .mindspeed_mm import VLM_FORWARD_PARAMS, _argument
+from ..megatron import recipes
+from .model import VLM_FORWARD_PARAMS, _argument
 
 log = logging.getLogger(__name__)
 

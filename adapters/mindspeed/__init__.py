@@ -1,0 +1,1 @@
+"""MindSpeed: mindspeed-flow as one feature of MindSpeed's feature manager."""
