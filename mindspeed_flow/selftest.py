@@ -3,7 +3,7 @@
 The checks (patch table, megatron-core's 1F1B at PP=2 against one process, packing and
 dispatch, fused attention inside megatron-core, simulated schedules) live in the source
 checkout's ``scripts/selftest.py``, because they reuse the test suite's harness
-(``tests/megatron_cpu_harness.py``) and configs, which a wheel does not ship.  So this
+(``tests/support/megatron_cpu_harness.py``) and configs, which a wheel does not ship.  So this
 subcommand runs that script when the package is an editable install of a checkout, and
 otherwise says that the self-test needs one.  ``mindspeed-flow train`` is the main job;
 this is the quick look at each piece.
@@ -20,7 +20,7 @@ from typing import Sequence
 import mindspeed_flow
 
 SCRIPT = Path("scripts") / "selftest.py"
-HARNESS = Path("tests") / "megatron_cpu_harness.py"
+HARNESS = Path("tests") / "support" / "megatron_cpu_harness.py"
 
 
 def add_selftest_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

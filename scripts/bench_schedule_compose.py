@@ -1,7 +1,7 @@
 """Benchmark: compose (and validate, simulate) on large pipelines, against the scan merge.
 
 Until issue 13, compose merged the skeletons' orders by scanning every rank before every
-pick (``tests/schedule_merge_reference.py``, O(p^2 m)).  This script composes the same
+pick (``tests/support/schedule_merge_reference.py``, O(p^2 m)).  This script composes the same
 plans with the heap merge of ``order.merge`` and, as the named baseline, with that scan
 swapped in, in the same run, checks that both give identical programs, and prints the times
 and their ratio.  validate and simulate are timed per action for scale.  Every measurement
@@ -27,7 +27,7 @@ from unittest import mock
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from schedule_merge_reference import scan_merge  # noqa: E402
 

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 
 def section(title: str) -> None:
@@ -106,7 +106,7 @@ def check_packing() -> None:
 
 
 def check_fused_attention() -> None:
-    # The same fresh-interpreter run as tests/test_attention_megatron.py: the fused_attn
+    # The same fresh-interpreter run as tests/adapters/megatron/test_attention.py: the fused_attn
     # patch must be enabled before megatron is imported.
     from subprocess_utils import last_json, run_python
     from test_attention_megatron import GPT_SCRIPT

@@ -7,7 +7,7 @@ piece.  No mask spanning the pack is built: plain causal segments use SDPA's
 for a sliding window or unequal query/key lengths, one query block at a time
 (``BLOCK`` rows by the keys that block can reach), so its size is bounded by the block and
 the window (by the segment when the window is unbounded on one side), never by the pack;
-``tests/test_attention_varlen.py`` checks that no op returns a tensor of ``[T, T]`` size.
+``tests/attention/test_varlen.py`` checks that no op returns a tensor of ``[T, T]`` size.
 
 Dropout: PyTorch's CPU flash kernel has no dropout, so SDPA with ``dropout_p > 0`` on CPU
 falls back to its math kernel, which materialises the ``[n, H, L, L]`` scores of a whole

@@ -21,7 +21,7 @@ repository's ``example/bm/BmPython/smem_bm_example.py``.
 
 It needs the Ascend driver (``/usr/local/Ascend/driver``) and NPUs, so it is selected only
 where both the driver and the package are present and refuses with the reason elsewhere.
-Nothing of it can run on a machine without an NPU: ``tests/test_pool_memfabric.py`` runs
+Nothing of it can run on a machine without an NPU: ``tests/pool/test_memfabric.py`` runs
 the pool's round trip through this module against a stand-in for ``memfabric_hybrid``.
 """
 

@@ -29,7 +29,7 @@ torchrun), extra upstream flags, and submodules whose forward outputs to keep
 name, so runs of different pipeline sizes compare directly.  Each run also records
 ``DotProductAttention.forward``'s wrapper chain and, with the plugin, the patch report.
 In this folder, ``conftest.Runs`` shares named runs between tests (one subprocess each).
-``upstream_sources()`` (``tests/pinned_upstream.py``) gives the unpacked checkouts;
+``upstream_sources()`` (``tests/support/pinned_upstream.py``) gives the unpacked checkouts;
 ``upstream_env()`` the environment a subprocess needs.
 """
 

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: dist_checkpoint_compat
+sys.path.append(str(Path(__file__).resolve().parent.parent / "support"))  # tests/support: dist_checkpoint_compat
 import mindspeed.megatron_adaptor  # noqa: F401  (first: MindSpeed patches Megatron at import)
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -2,7 +2,7 @@
 
 ``torchrun [--nproc-per-node N] pretrain_vlm.py ARGS`` (the plugin's ``.pth`` hook picks up
 ``--use-flowtrain`` / ``--flow-*`` in ARGS), or ``torchrun -m mindspeed_flow.launch
-pretrain_vlm.py ARGS``; from the pinned MindSpeed-MM tree (``tests/pinned_upstream.py``), on its
+pretrain_vlm.py ARGS``; from the pinned MindSpeed-MM tree (``tests/support/pinned_upstream.py``), on its
 ``"huggingface"`` data path (``build_mm_dataset`` -> ``DataCollatorForQwen2vl`` ->
 ``build_mm_dataloader`` in sampler mode -> ``build_iterations``), with a real
 ``Qwen2_5_VLProcessor`` made offline and a small tagged conversation corpus with generated
