@@ -45,6 +45,7 @@ from tiny_vlm import TextStage, ViT, forward_step  # noqa: E402
 from mindspeed_flow.runtime import measured_result  # noqa: E402
 from mindspeed_flow.runtime.layout import plan_for  # noqa: E402
 from mindspeed_flow.schedule import CostTable, Jitter, OneFOneB, Region, RegionCost, Transpose, simulate  # noqa: E402
+from mindspeed_flow.schedule.gantt import draw  # noqa: E402
 
 STAGES = 4
 PATCHES, TEXT, PATCH_DIM = 8, 8, 12
@@ -202,10 +203,10 @@ def main() -> int:
                  "megatron": simulate(plan_for(_megatron_layout_regions(), args.microbatches), costs)}
     plan_1f1b = plan_for([Region("model", STAGES, OneFOneB(stages=STAGES))], args.microbatches)
     args.png_dir.mkdir(parents=True, exist_ok=True)
-    pngs = [measured_result(plan_t, timelines_t).gantt(args.png_dir / "runtime_measured_transpose.png",
-                                                       "measured <transpose, 1f1b>"),
-            measured_result(plan_1f1b, [r["ours-1f1b"]["timeline"] for r in ranks]).gantt(
-                args.png_dir / "runtime_measured_1f1b.png", "measured 1F1B, ViT in stage 0 (our runtime)")]
+    pngs = [draw(measured_result(plan_t, timelines_t), args.png_dir / "runtime_measured_transpose.png",
+                 "measured <transpose, 1f1b>"),
+            draw(measured_result(plan_1f1b, [r["ours-1f1b"]["timeline"] for r in ranks]),
+                 args.png_dir / "runtime_measured_1f1b.png", "measured 1F1B, ViT in stage 0 (our runtime)")]
 
     base = measured["megatron"][0]
     print(f"tiny VLM, PP={STAGES}, {args.microbatches} microbatches, ViT forward {VIT.low * 1e3:.0f}-"

@@ -24,8 +24,8 @@ import argparse
 import logging
 from typing import Any, Callable
 
-from mindspeed_flow.allocator.plan import COLOCATED, Plan
-from mindspeed_flow.allocator.specs import AllocatorError
+from mindspeed_flow.allocator.errors import AllocatorError
+from mindspeed_flow.allocator.plan import COLOCATED, AllocationPlan
 from mindspeed_flow.allocator.upstream import megatron_split_settings, mindspeed_mm_model
 from mindspeed_flow.config import env_flags, parse_flow_flags
 
@@ -40,7 +40,7 @@ def plan_path(namespace: argparse.Namespace) -> str:
     return path
 
 
-def refuse_decoupled(plan: Plan, where: str, world: int | None = None) -> None:
+def refuse_decoupled(plan: AllocationPlan, where: str, world: int | None = None) -> None:
     """A decoupled plan is refused, naming why and what to plan instead (its best co-located
     alternative when the file holds one)."""
     if plan.placement == COLOCATED:
@@ -62,7 +62,7 @@ def refuse_decoupled(plan: Plan, where: str, world: int | None = None) -> None:
         f"plan than the allocator chose; {instead}")
 
 
-def megatron_settings(plan: Plan, namespace: argparse.Namespace, where: str) -> dict[str, Any]:
+def megatron_settings(plan: AllocationPlan, namespace: argparse.Namespace, where: str) -> dict[str, Any]:
     """The ``args`` attributes the plan sets; checks the plan against the job first."""
     bb = plan.backbone
     world = getattr(namespace, "world_size", None)
@@ -89,10 +89,10 @@ def megatron_settings(plan: Plan, namespace: argparse.Namespace, where: str) -> 
     return settings
 
 
-def apply_to_megatron_args(namespace: argparse.Namespace) -> Plan:
+def apply_to_megatron_args(namespace: argparse.Namespace) -> AllocationPlan:
     """Load the plan named by the flags and write its sizes into Megatron's ``args``."""
     path = plan_path(namespace)
-    plan = Plan.load(path)
+    plan = AllocationPlan.load(path)
     for name, value in megatron_settings(plan, namespace, path).items():
         before = getattr(namespace, name, None)
         setattr(namespace, name, value)
@@ -115,7 +115,7 @@ def _section(node: Any, dotted: str, where: str) -> Any:
     return node
 
 
-def apply_to_mm_model(model: Any, plan: Plan, where: str) -> None:
+def apply_to_mm_model(model: Any, plan: AllocationPlan, where: str) -> None:
     """Write the plan's per-module entries into MindSpeed-MM's model config object."""
     refuse_decoupled(plan, where)
     wanted = mindspeed_mm_model(plan)
@@ -133,5 +133,5 @@ def merge_mm_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     result = wrapped(*args, **kwargs)
     namespace = args[0] if args else kwargs["args"]
     path = plan_path(namespace)
-    apply_to_mm_model(namespace.mm.model, Plan.load(path), path)
+    apply_to_mm_model(namespace.mm.model, AllocationPlan.load(path), path)
     return result

@@ -5,17 +5,19 @@ consumption under a device budget.
 :class:`Profile` holds measured throughput points; :class:`ProxyModel` predicts any config
 from them (compute scaling, TP communication and efficiency loss, the pipeline bubble from
 the schedule simulator, DP gradient reduction, memory); :func:`solve` picks one config per
-module with a HiGHS MILP and returns a :class:`Plan`.  See ``docs/allocator.md``.
+module with a HiGHS MILP and returns an :class:`AllocationPlan` (named so apart from the schedule's
+:class:`~mindspeed_flow.schedule.Plan` of per-rank programs).  See ``docs/allocator.md``.
 """
 
-from .diagnose import InfeasibleError
-from .plan import BackboneConfig, EncoderConfig, Plan, Prediction
+from .errors import AllocatorError, InfeasibleError
+from .plan import AllocationPlan, BackboneConfig, EncoderConfig, Prediction
 from .profile import Profile, ProfilePoint
 from .proxy import ProxyModel
 from .solve import solve
-from .specs import AllocatorConfig, AllocatorError, ClusterSpec, ModelSpec, ModuleSpec, Workload, load_config
+from .specs import AllocatorConfig, ClusterSpec, ModelSpec, ModuleSpec, Workload, load_config
 
 __all__ = [
+    "AllocationPlan",
     "AllocatorConfig",
     "AllocatorError",
     "BackboneConfig",
@@ -24,7 +26,6 @@ __all__ = [
     "InfeasibleError",
     "ModelSpec",
     "ModuleSpec",
-    "Plan",
     "Prediction",
     "Profile",
     "ProfilePoint",

@@ -8,12 +8,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from .diagnose import InfeasibleError
+from .errors import AllocatorError, InfeasibleError
 from .profile import Profile
 from .proxy import ProxyModel
 from .report import describe, draw_rate_match
 from .solve import solve
-from .specs import AllocatorError, load_config
+from .specs import load_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

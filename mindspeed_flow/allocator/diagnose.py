@@ -11,18 +11,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from .candidates import CandidateSet, Rejection
-from .specs import AllocatorError, ClusterSpec
+from .specs import ClusterSpec
 
 
 OWN_CONSTRAINTS = ("memory", "devices")  # checked per placement, not shared with co-located configs
-
-
-class InfeasibleError(AllocatorError):
-    """No plan satisfies the constraints; ``reasons`` holds one line per binding constraint."""
-
-    def __init__(self, reasons: list[str]) -> None:
-        self.reasons = reasons
-        super().__init__("no feasible plan:\n  " + "\n  ".join(reasons))
 
 
 def _closest(rejections: list[Rejection]) -> Rejection:

@@ -8,7 +8,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from .specs import AllocatorError
+from .errors import AllocatorError
 
 
 def write_data(path: str | Path, data: dict[str, Any]) -> Path:

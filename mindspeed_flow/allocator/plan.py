@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .errors import AllocatorError
 from .files import field_values, read_data, write_data
-from .specs import AllocatorError
 
 DECOUPLED = "decoupled"  # the encoder on devices of its own, feeding the backbone through the pool
 COLOCATED = "colocated"  # the encoder inside the backbone's pipeline stage 0, same TP and DP
@@ -72,7 +72,7 @@ class Prediction:
 
 
 @dataclass(frozen=True)
-class Plan:
+class AllocationPlan:
     """The allocator's answer.
 
     Attributes:
@@ -88,7 +88,7 @@ class Plan:
     backbone: BackboneConfig
     global_batch: int
     predicted: Prediction
-    alternatives: tuple["Plan", ...] = field(default=(), compare=False)
+    alternatives: tuple["AllocationPlan", ...] = field(default=(), compare=False)
     placement: str = DECOUPLED
 
     def __post_init__(self) -> None:
@@ -122,7 +122,7 @@ class Plan:
         return write_data(path, self.to_dict())
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "plan") -> "Plan":
+    def from_dict(cls, data: Any, where: str = "plan") -> "AllocationPlan":
         if not isinstance(data, Mapping):
             raise AllocatorError(f"{where}: expected a mapping")
         try:
@@ -143,5 +143,5 @@ class Plan:
             raise AllocatorError(f"{where}: {exc}") from None
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> "AllocationPlan":
         return cls.from_dict(read_data(path), str(path))

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .errors import AllocatorError
 from .files import field_values, read_data, write_data
-from .specs import AllocatorError
 
 MODULES = ("encoder", "backbone")
 

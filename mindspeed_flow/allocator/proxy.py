@@ -29,10 +29,11 @@ from statistics import median
 import numpy as np
 
 from . import memory
+from .errors import AllocatorError
 from .memory import MemoryEstimate
 from .pipeline import PipelineStep, backbone_layout, pipeline_step, step_lower_bound, uniform_split
 from .profile import Profile
-from .specs import AllocatorError, ClusterSpec, ModuleSpec, Workload
+from .specs import ClusterSpec, ModuleSpec, Workload
 from .tp_calibration import TPCalibration, piecewise_log
 from mindspeed_flow.schedule import Link, RegionCost
 

@@ -7,19 +7,19 @@ import shlex
 from pathlib import Path
 
 from .candidates import divisors
-from .plan import COLOCATED, Plan
+from .plan import COLOCATED, AllocationPlan
 from .proxy import ProxyModel
 from .specs import AllocatorConfig
 from .upstream import megatron_args, mindspeed_mm_args, mindspeed_mm_model
 
 
-def _shape(plan: Plan) -> tuple[str, str]:
+def _shape(plan: AllocationPlan) -> tuple[str, str]:
     e, b = plan.encoder, plan.backbone
     encoder = "in stage 0" if plan.placement == COLOCATED else f"dp {e.dp} x tp {e.tp}"
     return encoder, f"dp {b.dp} x tp {b.tp} x pp {b.pp}, micro batch {b.micro_batch}"
 
 
-def describe(plan: Plan, config: AllocatorConfig, title: str) -> str:
+def describe(plan: AllocationPlan, config: AllocatorConfig, title: str) -> str:
     """The plan as ``mindspeed-flow plan`` prints it: configs, rates, MFU, alternatives and
     the upstream arguments that realise it."""
     p = plan.predicted
@@ -67,7 +67,7 @@ def describe(plan: Plan, config: AllocatorConfig, title: str) -> str:
     return "\n".join(lines)
 
 
-def draw_rate_match(plan: Plan, config: AllocatorConfig, proxy: ProxyModel, path: Path) -> Path:
+def draw_rate_match(plan: AllocationPlan, config: AllocatorConfig, proxy: ProxyModel, path: Path) -> Path:
     """Left: encoder production against encoder devices (the plan's TP, every allowed DP)
     with the plan's backbone consumption as a line; right: production and consumption of
     the plan and its alternatives."""

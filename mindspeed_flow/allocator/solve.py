@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .candidates import CandidateSet, LazyPool, candidates
 from .colocated import colocated_pool
-from .diagnose import InfeasibleError, diagnose
+from .diagnose import diagnose
+from .errors import InfeasibleError
 from .milp import AllocationMilp, Choice
-from .plan import COLOCATED, BackboneConfig, EncoderConfig, Plan, Prediction
+from .plan import COLOCATED, AllocationPlan, BackboneConfig, EncoderConfig, Prediction
 from .proxy import ProxyModel
 from .specs import GIB, ClusterSpec, ModelSpec, Workload
 
@@ -60,12 +61,12 @@ def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Sh
 
 
 def to_plan(found: CandidateSet, joints: list, choice: Choice, model: ModelSpec, proxy: ProxyModel,
-            workload: Workload) -> Plan:
-    """The :class:`Plan` of the MILP's choice, with what the proxy predicts for it."""
+            workload: Workload) -> AllocationPlan:
+    """The :class:`AllocationPlan` of the MILP's choice, with what the proxy predicts for it."""
     if choice.joint is not None:
         j = joints[choice.joint]
         memory_gib = j.memory.total / GIB
-        return Plan(
+        return AllocationPlan(
             encoder=EncoderConfig(dp=j.dp, tp=j.tp, layers=model.encoder.layers),
             backbone=BackboneConfig(dp=j.dp, tp=j.tp, pp=j.pp, micro_batch=j.micro_batch, layer_split=j.llm_split),
             global_batch=workload.global_batch,
@@ -79,7 +80,7 @@ def to_plan(found: CandidateSet, joints: list, choice: Choice, model: ModelSpec,
         )
     enc, bb = found.encoders[choice.encoder], found.backbones[choice.backbone]
     devices = enc.devices + bb.devices
-    return Plan(
+    return AllocationPlan(
         encoder=EncoderConfig(dp=enc.dp, tp=enc.tp, layers=model.encoder.layers),
         backbone=BackboneConfig(dp=bb.dp, tp=bb.tp, pp=bb.pp, micro_batch=bb.micro_batch, layer_split=bb.split),
         global_batch=workload.global_batch,
@@ -123,7 +124,7 @@ def _solve_lazily(found: CandidateSet, pools: list[LazyPool], joints: list, budg
 
 
 def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, workload: Workload, *,
-          verbose: bool = False) -> Plan:
+          verbose: bool = False) -> AllocationPlan:
     """The plan that maximises global throughput (the smaller of encoder production and
     backbone consumption, samples/s), then minimises their mismatch, then the devices used;
     with ``workload.alternatives`` runners-up, each with another backbone shape.  With
@@ -133,7 +134,7 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
     (constraints of the MILP, so the plan is the best of those).  HiGHS prints nothing
     (not even its banner) unless ``verbose``.
 
-    Raises :class:`~.diagnose.InfeasibleError` naming the binding constraint.
+    Raises :class:`~.errors.InfeasibleError` naming the binding constraint.
     """
     found, pool = candidates(model_spec.encoder, model_spec.backbone, cluster_spec, workload, proxy)
     pools = [pool]
@@ -160,4 +161,5 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
         if choice is None:
             break
         runners_up.append(to_plan(found, joints, choice, model_spec, proxy, workload))
-    return Plan(best.encoder, best.backbone, best.global_batch, best.predicted, tuple(runners_up), best.placement)
+    return AllocationPlan(best.encoder, best.backbone, best.global_batch, best.predicted, tuple(runners_up),
+                          best.placement)

@@ -12,11 +12,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, get_type_hints
 
+from .errors import AllocatorError
+from .files import read_data
+
 GIB = 2**30
-
-
-class AllocatorError(ValueError):
-    """A bad spec, profile or plan file, or an instance without any plan."""
 
 
 @dataclass(frozen=True)
@@ -218,8 +217,6 @@ class AllocatorConfig:
 def load_config(path: str | Path) -> AllocatorConfig:
     """Read ``model`` (``encoder``, ``backbone``), ``cluster``, ``workload`` and ``profile``
     (a path relative to the file) from a YAML file."""
-    from .files import read_data
-
     path = Path(path)
     data = read_data(path)
     if not isinstance(data, Mapping):

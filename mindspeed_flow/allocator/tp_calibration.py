@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .errors import AllocatorError
 from .profile import Profile
-from .specs import AllocatorError
 
 Curve = Sequence[tuple[float, float]]  # (log x, y) sorted by log x
 

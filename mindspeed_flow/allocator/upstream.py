@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .plan import COLOCATED, Plan
-from .specs import AllocatorError
+from .errors import AllocatorError
+from .plan import COLOCATED, AllocationPlan
 
 
 def megatron_split_settings(split: tuple[int, ...]) -> dict[str, int]:
@@ -31,7 +31,7 @@ def megatron_split_settings(split: tuple[int, ...]) -> dict[str, int]:
     return {"decoder_first_pipeline_num_layers": split[0], "decoder_last_pipeline_num_layers": split[-1]}
 
 
-def megatron_args(plan: Plan) -> list[str]:
+def megatron_args(plan: AllocationPlan) -> list[str]:
     """Megatron-LM flags for the backbone's parallel sizes, layer split and batch."""
     bb = plan.backbone
     args = ["--tensor-model-parallel-size", str(bb.tp),
@@ -45,7 +45,7 @@ def megatron_args(plan: Plan) -> list[str]:
     return args
 
 
-def mindspeed_mm_model(plan: Plan) -> dict[str, Any]:
+def mindspeed_mm_model(plan: AllocationPlan) -> dict[str, Any]:
     """The entries of MindSpeed-MM's model JSON that the plan sets."""
     pp = plan.backbone.pp
     return {
@@ -57,7 +57,7 @@ def mindspeed_mm_model(plan: Plan) -> dict[str, Any]:
     }
 
 
-def mindspeed_mm_args(plan: Plan) -> list[str]:
+def mindspeed_mm_args(plan: AllocationPlan) -> list[str]:
     """Megatron's flags, plus ``--hetero-parallel`` (the encoder's own TP) when the encoder
     has a TP of its own."""
     if plan.placement == COLOCATED or plan.encoder.tp == plan.backbone.tp:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from .actions import COLLECTIVES, Kind
-
-if TYPE_CHECKING:
-    from .simulate import SimResult
+from .simulate import SimResult
 
 _ALPHA = {Kind.FORWARD: 0.45, Kind.BACKWARD: 0.95, Kind.BACKWARD_INPUT: 0.75, Kind.BACKWARD_WEIGHT: 0.95}
 _HATCH = {Kind.BACKWARD_INPUT: "//", Kind.BACKWARD_WEIGHT: ".."}
@@ -102,8 +100,10 @@ def chart(bars: Sequence[Bar], rows: Sequence[str], keys: Sequence[Key], path: P
     return drawn
 
 
-def draw(result: SimResult, path: Path, title: str | None = None) -> Path:
-    """Write the chart of ``result`` to ``path`` (PNG, headless backend); returns ``path``."""
+def draw(result: SimResult, path: str | Path, title: str | None = None) -> Path:
+    """Write the chart of ``result`` (one row per rank) to ``path`` (PNG, headless backend);
+    returns ``path``."""
+    path = Path(path)
     ranks = sorted(result.busy)
     names = [r.name for r in result.plan.regions]
     colour = region_colours(names)

@@ -1,10 +1,14 @@
-"""A composed schedule: per-rank programs plus the placement facts needed to check them."""
+"""A composed schedule: per-rank programs plus the placement facts needed to check them.
+
+:class:`Plan` is plain data.  What is done with a plan lives beside it as free functions
+that import this module, never the other way round: the text round trip and the grid in
+:mod:`.listing`, the replay in :mod:`.simulate`, its chart in :mod:`.gantt`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Mapping
 
 from .actions import Action, format_program
@@ -48,39 +52,3 @@ class Plan:
             f"# rank {rank}: {self.roles.get(rank, '')}\n{format_program(rank, program)}"
             for rank, program in sorted(self.programs.items())
         )
-
-    # Text round trip and grid live in .listing, which builds plans and so imports this
-    # module: the methods below import it when called.
-
-    def dumps(self) -> str:
-        """The plan as text (header with the regions, then :meth:`format`); see :mod:`.listing`."""
-        from .listing import dumps
-
-        return dumps(self)
-
-    def dump(self, path: str | Path) -> Path:
-        """Write :meth:`dumps` to ``path``, to edit by hand and :meth:`load` again."""
-        from .listing import dump
-
-        return dump(self, path)
-
-    @classmethod
-    def loads(cls, text: str, source: str = "<text>") -> Plan:
-        """Read :meth:`dumps`' text back; errors name ``source`` and the line."""
-        from .listing import loads
-
-        return loads(text, source)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Plan:
-        """Read a file written by :meth:`dump`, possibly edited by hand."""
-        from .listing import load
-
-        return load(path)
-
-    def grid(self, against: Plan | None = None) -> str:
-        """Steps by ranks, one step per compute; with ``against``, differing cells read
-        ``before>after`` (see :func:`.listing.format_grid`)."""
-        from .listing import format_grid
-
-        return format_grid(self, against)

@@ -15,8 +15,9 @@ from typing import Sequence
 import yaml
 
 from .errors import ScheduleError
-from .plan import Plan
-from .scenarios import load, plan_for
+from .listing import dump, dumps, format_grid
+from .listing import load as load_plan
+from .scenarios import load, scenario_plan
 from .validate import validate
 
 
@@ -57,19 +58,19 @@ def _dump(args: argparse.Namespace) -> int:
     schedules = {s.get("name"): s for s in config.get("schedules", [])}
     if args.schedule not in schedules:
         raise ScheduleError(f"{args.config}: no schedule {args.schedule!r}, expected one of {sorted(schedules)}")
-    plan = plan_for(config, schedules[args.schedule], semantics=args.semantics)
+    plan = scenario_plan(config, schedules[args.schedule], semantics=args.semantics)
     if args.output is None:
-        sys.stdout.write(plan.dumps())
+        sys.stdout.write(dumps(plan))
     else:
-        plan.dump(args.output)
+        dump(plan, args.output)
         print(f"wrote {args.output}")
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    plan = Plan.load(args.plan)
+    plan = load_plan(args.plan)
     validate(plan, semantics=args.semantics)
     print(f"{args.plan}: valid under {args.semantics or plan.semantics} semantics, "
           f"{sum(len(p) for p in plan.programs.values())} actions on {len(plan.programs)} ranks")
-    print(plan.grid(Plan.load(args.against) if args.against else None))
+    print(format_grid(plan, load_plan(args.against) if args.against else None))
     return 0

@@ -43,6 +43,7 @@ from .actions import COMPUTE
 from .compose import compose
 from .costs import CostTable, Jitter, Link, RegionCost, pack_scale
 from .errors import ScheduleError
+from .gantt import draw
 from .plan import Plan
 from .regions import Region
 from .simulate import SimResult, simulate
@@ -140,8 +141,10 @@ def build_costs(config: Mapping[str, Any], schedule: Mapping[str, Any], seed: in
     )
 
 
-def plan_for(config: Mapping[str, Any], schedule: Mapping[str, Any], semantics: str = "eager") -> Plan:
-    """Compose and validate one schedule entry; its nominal costs order shared ranks."""
+def scenario_plan(config: Mapping[str, Any], schedule: Mapping[str, Any], semantics: str = "eager") -> Plan:
+    """Compose and validate one schedule entry of a simulation config; its nominal costs
+    order shared ranks.  (The runtime composes its plans from regions alone:
+    :func:`mindspeed_flow.runtime.layout.plan_for`.)"""
     schedule = best_split(config, schedule)
     nominal = build_costs(config, schedule, seed=0).nominal()
     plan = compose(build_regions(config, schedule), _need(config, "num_microbatches"),
@@ -165,7 +168,7 @@ def best_split(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> Mappin
         rest, extra = divmod(llm - k, stages - 1)
         layers = [vit + k] + [rest + (i >= stages - 1 - extra) for i in range(stages - 1)]
         candidate = {**schedule, "layers": layers}
-        step = _mean(r.step_time for r in _simulated(config, candidate, plan_for(config, candidate)))
+        step = _mean(r.step_time for r in _simulated(config, candidate, scenario_plan(config, candidate)))
         if best is None or step < best[0]:
             best = (step, candidate)
     return best[1]
@@ -181,12 +184,12 @@ def run(config: Mapping[str, Any], charts: Path | None = None) -> list[Row]:
     for entry in _need(config, "schedules"):
         name = _need(entry, "name")
         schedule = best_split(config, entry)
-        plan = plan_for(config, schedule)
+        plan = scenario_plan(config, schedule)
         results = _simulated(config, schedule, plan)
-        blocking = _simulated(config, schedule, plan_for(config, schedule, "rendezvous"))
+        blocking = _simulated(config, schedule, scenario_plan(config, schedule, "rendezvous"))
         if charts is not None:
             title = f"{config.get('name', '')} {name}, seed 0 of {seeds} (table: mean {_mean(r.step_time for r in results):.2f} s)"
-            results[0].gantt(charts / f"{name}.png", title)
+            draw(results[0], charts / f"{name}.png", title)
         encoder_ranks = _encoder_ranks(plan)
         devices = per_rank * (len(plan.programs) - encoder_ranks) + encoder_ranks * schedule.get(
             "encoder_devices_per_rank", per_rank)

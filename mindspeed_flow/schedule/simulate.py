@@ -8,12 +8,14 @@ posted (rendezvous: the sender waits for the transfer too).  A pool put is local
 holds the tensor) and the get pulls it; a collective starts when its last member arrives.
 Event times follow from these rules alone, so the replay needs no global event queue:
 ranks advance while the times their next step depends on are known.
+
+:class:`SimResult` is plain data; :func:`.gantt.draw` charts one (this module does not
+import the chart, which needs matplotlib and reads the result).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping
 
 from .actions import BACKWARDS, COLLECTIVES, COMPUTE, Action, Kind
@@ -64,12 +66,6 @@ class SimResult:
         """Idle share of all ranks' time over the step (waiting, transfers, bubbles)."""
         total = self.step_time * len(self.busy)
         return 1.0 - sum(self.busy.values()) / total if total else 0.0
-
-    def gantt(self, path: str | Path, title: str | None = None) -> Path:
-        """Draw one row per rank to ``path`` (PNG); needs matplotlib."""
-        from .gantt import draw
-
-        return draw(self, Path(path), title)
 
     def summary(self) -> str:
         lines = [f"step {self.step_time:.3f}s, bubble {self.bubble_fraction:.1%}"]

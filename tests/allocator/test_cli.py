@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from mindspeed_flow import cli
-from mindspeed_flow.allocator import Plan, Profile, ProxyModel, load_config, solve
+from mindspeed_flow.allocator import AllocationPlan, Profile, ProxyModel, load_config, solve
 from mindspeed_flow.allocator.upstream import megatron_args
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "allocator" / "tiny_cpu.yaml"
@@ -20,7 +20,7 @@ def test_plan_prints_the_solved_plan_and_writes_it(tmp_path, capsys):
     config = load_config(CONFIG)
     expected = solve(config.model, config.cluster, ProxyModel(Profile.load(config.profile), config.cluster),
                      config.workload)
-    written = Plan.load(out)
+    written = AllocationPlan.load(out)
     assert written == expected
     assert [a.backbone for a in written.alternatives] == [a.backbone for a in expected.alternatives]
     p = expected.predicted

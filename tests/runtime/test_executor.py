@@ -18,6 +18,7 @@ from mindspeed_flow.runtime import ActionFailed, Binding, Executor, RuntimeOptio
 from mindspeed_flow.runtime.errors import where
 from mindspeed_flow.runtime.sends import plan_send_bound
 from mindspeed_flow.schedule import OneFOneB, Region, ScheduleError, Transpose, compose, validate
+from mindspeed_flow.schedule.gantt import draw
 from runtime_models import build, forward_step, grads_of, make_batches, reference
 
 MICROBATCHES = 4
@@ -120,7 +121,7 @@ def test_measured_timeline_draws_with_the_simulators_gantt(transposed, tmp_path)
     assert len(computes) == sum(1 for p in plan.programs.values() for a in p if a.kind.value in ("F", "B", "I"))
     assert all(0 <= iv.start <= iv.end <= measured.step_time for iv in measured.intervals)
     assert 0.0 < measured.bubble_fraction < 1.0
-    png = measured.gantt(tmp_path / "measured.png", title="measured")
+    png = draw(measured, tmp_path / "measured.png", title="measured")
     assert png.stat().st_size > 5000
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from mindspeed_flow.schedule.cli import register
-from mindspeed_flow.schedule.scenarios import LAYOUTS, load, plan_for
+from mindspeed_flow.schedule.scenarios import LAYOUTS, load, scenario_plan
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "sim").glob("*.yaml"))
 
@@ -104,5 +104,5 @@ def test_shipped_configs_compose_and_validate(path):
     layouts = {s["layout"] for s in config["schedules"]}
     assert layouts == set(LAYOUTS)  # every config compares all four layouts
     for schedule in config["schedules"]:
-        plan = plan_for(config, schedule)  # a split to search is searched first
+        plan = scenario_plan(config, schedule)  # a split to search is searched first
         assert [r.name for r in plan.regions] == ["vit", "llm"]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_flow.schedule import SimResult, simulate
-from mindspeed_flow.schedule.scenarios import best_split, build_costs, format_table, load, plan_for, run
+from mindspeed_flow.schedule import scenarios, simulate
+from mindspeed_flow.schedule.scenarios import best_split, build_costs, format_table, load, run, scenario_plan
 from tests.schedule.test_cli import SMALL as CLI_SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ SMALL["schedules"].insert(3, {"name": "prefix", "layout": "transpose", "transpos
 
 
 def _mean_step(config, schedule, semantics="eager"):
-    plan = plan_for(config, schedule, semantics)
+    plan = scenario_plan(config, schedule, semantics)
     steps = [simulate(plan, build_costs(config, schedule, s)).step_time for s in range(config["seeds"])]
     return sum(steps) / len(steps)
 
@@ -68,8 +68,10 @@ def test_rendezvous_steps_are_reported_beside_the_eager_ones(rows):
 
 def test_charts_say_which_simulated_step_they_draw(tmp_path, monkeypatch, rows):
     titles = {}
-    monkeypatch.setattr(SimResult, "gantt", lambda self, path, title=None: titles.setdefault(Path(path).stem, (title, self.step_time)))
+    monkeypatch.setattr(scenarios, "draw", lambda result, path, title=None: titles.setdefault(Path(path).stem,
+                                                                                          (title, result.step_time)))
     drawn = {r.name: r for r in run(SMALL, charts=tmp_path)}
+    assert set(titles) == set(drawn)  # one chart per schedule
     for name, (title, step) in titles.items():
         assert "seed 0 of 2" in title
         assert f"table: mean {drawn[name].step:.2f} s" in title

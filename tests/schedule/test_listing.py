@@ -10,7 +10,6 @@ from mindspeed_flow.schedule import (
     Interleaved1F1B,
     Kind,
     OneFOneB,
-    Plan,
     Region,
     ScheduleError,
     Transpose,
@@ -19,6 +18,7 @@ from mindspeed_flow.schedule import (
     compose,
     validate,
 )
+from mindspeed_flow.schedule.listing import dump, dumps, format_grid, load, loads
 
 COMPOSITIONS = {
     "transpose-trainable": ([Region("vit", 2, Transpose(max_in_flight=2)), Region("llm", 4, OneFOneB(stages=2))], 4),
@@ -61,35 +61,35 @@ def test_plans_dump_and_load_to_an_equal_plan(name, tmp_path):
     regions, microbatches = COMPOSITIONS[name]
     for semantics in ("eager", "rendezvous"):
         plan = compose(regions, microbatches, semantics=semantics)
-        loaded = Plan.load(plan.dump(tmp_path / f"{name}.txt"))
+        loaded = load(dump(plan, tmp_path / f"{name}.txt"))
         assert loaded == plan
         validate(loaded)
 
 
 def test_a_hand_edit_is_reloaded_validated_and_diffed():
     plan = compose([Region("llm", 4, ZeroBubbleH1(stages=2))], 3)
-    lines = plan.dumps().splitlines()
+    lines = dumps(plan).splitlines()
     # defer rank 0's first weight step to the end of its program: still a valid schedule
     moved = next(i for i, line in enumerate(lines) if line.startswith("r0") and "W      llm.s0 mb0" in line)
     last_of_rank0 = max(i for i, line in enumerate(lines) if line.startswith("r0 "))
     lines.insert(last_of_rank0, lines.pop(moved))
-    edited = Plan.loads("\n".join(lines))
+    edited = loads("\n".join(lines))
     validate(edited)
     assert edited.programs[0][-1] == Action(Kind.BACKWARD_WEIGHT, "llm", 0, 0)
-    diff = edited.grid(against=plan).splitlines()
+    diff = format_grid(edited, against=plan).splitlines()
     assert diff[0].split() == ["Rank", "0", "Rank", "1"]
     assert "W0 llm.s0>F2 llm.s0" in diff[5]  # step 4: F2 now runs where W0 ran
     assert diff[-1] == "Step 10: ->W0 llm.s0"  # W0 now runs last, one step later
     # an edit that breaks the schedule is caught by the validator, naming the line's action
-    lines = plan.dumps().splitlines()
+    lines = dumps(plan).splitlines()
     del lines[next(i for i, line in enumerate(lines) if "RECV_G llm.s0 mb1" in line)]
     with pytest.raises(ScheduleError, match=r"has no matching receive on rank 0: missing `RECV_G llm.s0 mb1 <- r1"):
-        validate(Plan.loads("\n".join(lines)))
+        validate(loads("\n".join(lines)))
 
 
 def test_grid_is_steps_by_ranks_with_bubbles():
     plan = compose([Region("llm", 2, OneFOneB(stages=2))], 2)
-    assert plan.grid().splitlines() == [
+    assert format_grid(plan).splitlines() == [
         "        Rank 0    Rank 1",
         "Step 0: F0 llm.s0",
         "Step 1: F1 llm.s0 F0 llm.s1",
@@ -110,11 +110,11 @@ def test_grid_is_steps_by_ranks_with_bubbles():
 ])
 def test_bad_plan_files_name_file_and_line(tmp_path, edit, message):
     path = tmp_path / "plan.txt"
-    path.write_text(edit(compose([Region("llm", 2, OneFOneB(stages=2))], 2).dumps()))
+    path.write_text(edit(dumps(compose([Region("llm", 2, OneFOneB(stages=2))], 2))))
     with pytest.raises(ScheduleError, match=message):
-        Plan.load(path)
+        load(path)
     with pytest.raises(ScheduleError, match="cannot read"):
-        Plan.load(tmp_path / "missing.txt")
+        load(tmp_path / "missing.txt")
 
 
 def test_plan_command_dumps_checks_and_diffs(tmp_path, capsys):

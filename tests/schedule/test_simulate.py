@@ -20,6 +20,7 @@ from mindspeed_flow.schedule import (
     simulate,
 )
 from mindspeed_flow.schedule.costs import pack_scale
+from mindspeed_flow.schedule.gantt import draw
 
 # Stage forward 1 s and backward 2 s on four stages: the whole region's forward is 4 s.
 FOUR_STAGES = CostTable({"llm": RegionCost(forward=4.0, stored_bytes=4 * 2**30)})
@@ -130,7 +131,7 @@ def test_gantt_draws_one_row_per_rank(tmp_path):
     plan = compose([Region("vit", 2, Transpose(), trainable=False), Region("llm", 4, OneFOneB(stages=2))], 4)
     costs = CostTable({"vit": RegionCost(forward=0.5), "llm": RegionCost(forward=2.0)})
     result = simulate(plan, costs)
-    path = result.gantt(tmp_path / "charts" / "t.png", "transpose")
+    path = draw(result, tmp_path / "charts" / "t.png", "transpose")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = result.summary().splitlines()
     assert lines[0].startswith("step ") and len(lines) == 1 + len(plan.programs)

@@ -22,7 +22,8 @@ from mindspeed_flow.schedule import (
     validate,
 )
 from mindspeed_flow.schedule.actions import COMPUTE
-from mindspeed_flow.schedule.scenarios import build_regions, plan_for
+from mindspeed_flow.schedule.gantt import draw
+from mindspeed_flow.schedule.scenarios import build_regions, scenario_plan
 
 
 def unit_costs(stages):
@@ -93,7 +94,7 @@ def test_transpose_on_zb_h1_composes_validates_and_simulates(tmp_path):
     plain = simulate(compose([regions[0], Region("llm", 8, OneFOneB(stages=4))], 8), costs)
     assert zb.step_time < plain.step_time
     pytest.importorskip("matplotlib")
-    assert zb.gantt(tmp_path / "zb.png").read_bytes()[:4] == b"\x89PNG"
+    assert draw(zb, tmp_path / "zb.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_scenarios_name_the_backbone():
@@ -103,7 +104,7 @@ def test_scenarios_name_the_backbone():
     }
     schedule = {"name": "zb", "layout": "transpose", "backbone": "zb-h1", "stages": 2}
     assert isinstance(build_regions(config, schedule)[1].skeleton, ZeroBubbleH1)
-    assert any(a.kind is Kind.BACKWARD_WEIGHT for a in plan_for(config, schedule).programs[0])
+    assert any(a.kind is Kind.BACKWARD_WEIGHT for a in scenario_plan(config, schedule).programs[0])
     with pytest.raises(ScheduleError, match=r"backbone 'zb-h2' is not one of \('1f1b', 'zb-h1', 'zb-v'\)"):
         build_regions(config, {**schedule, "backbone": "zb-h2"})
 

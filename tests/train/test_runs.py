@@ -299,10 +299,10 @@ def test_flow_timeline_has_pool_puts_and_gets(ranks):
 
 
 def _plan(encoder_dp, backbone_pp, backbone_dp, *, tp=1, placement="decoupled"):
-    from mindspeed_flow.allocator import BackboneConfig, EncoderConfig, Plan, Prediction
+    from mindspeed_flow.allocator import AllocationPlan, BackboneConfig, EncoderConfig, Prediction
 
     split = [2 // backbone_pp or 1] * backbone_pp
-    return Plan(EncoderConfig(encoder_dp, tp, 1), BackboneConfig(backbone_dp, tp, backbone_pp, 1, split), 4,
+    return AllocationPlan(EncoderConfig(encoder_dp, tp, 1), BackboneConfig(backbone_dp, tp, backbone_pp, 1, split), 4,
                 Prediction(1.0, 1.0, 1.0, 0.1, 0.0, 1.0, 4, 1.0, 1.0), placement=placement)
 
 

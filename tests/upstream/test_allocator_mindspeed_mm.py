@@ -15,7 +15,7 @@ import sys
 from harness import TINY_MODEL, upstream_env
 from pinned_upstream import upstream_sources
 
-from mindspeed_flow.allocator import BackboneConfig, EncoderConfig, Plan, Prediction
+from mindspeed_flow.allocator import AllocationPlan, BackboneConfig, EncoderConfig, Prediction
 
 PROBE = f'''
 import json, sys
@@ -40,7 +40,7 @@ def test_plan_reaches_mindspeed_mm_args_and_model_config(runs, tmp_path):
     ``scripts/test_upstream.sh``, when MindSpeed-MM's dependencies are missing.)"""
     backbone = BackboneConfig(dp=1, tp=2, pp=2, micro_batch=1, layer_split=(1, 1))
     prediction = Prediction(1.0, 1.2, 1.0, 0.3, 0.1, 4.0, 4, 1.0, 1.0)
-    path = Plan(EncoderConfig(dp=1, tp=2, layers=2), backbone, global_batch=4, predicted=prediction,
+    path = AllocationPlan(EncoderConfig(dp=1, tp=2, layers=2), backbone, global_batch=4, predicted=prediction,
                 placement="colocated").save(tmp_path / "plan.yaml")
     (tmp_path / "probe.py").write_text(PROBE)
     env = {**upstream_env(upstream_sources(), tmp_path), "WORLD_SIZE": "4", "RANK": "0"}
@@ -56,7 +56,7 @@ def test_plan_reaches_mindspeed_mm_args_and_model_config(runs, tmp_path):
     assert out == {"sizes": [2, 2, 1, 1, 4], "vit": [[2, 0], 2], "llm": [1, 1]}
     # (issue 19, defect 4) the encoder on 3 devices of its own: refused at the backbone's world
     # size too, where it used to be applied as if co-located without a word
-    decoupled = Plan(EncoderConfig(dp=3, tp=1, layers=2), backbone, global_batch=4,
+    decoupled = AllocationPlan(EncoderConfig(dp=3, tp=1, layers=2), backbone, global_batch=4,
                      predicted=prediction).save(tmp_path / "decoupled.yaml")
     refused = start(decoupled)
     assert refused.returncode != 0 and "refusing a decoupled plan: its encoder runs on 3 devices" in refused.stderr

@@ -26,7 +26,7 @@ import pytest
 from realjob import RealJob
 from test_real_job import JOBS  # the runs test_real_job.py makes, shared by name within a session
 
-from mindspeed_flow.allocator import Plan
+from mindspeed_flow.allocator import AllocationPlan
 
 pytestmark = pytest.mark.timeout(1500)  # a test may start two real jobs on a loaded machine
 
@@ -96,14 +96,14 @@ def test_packing_with_the_varlen_attention_off_is_refused_naming_both_flags(real
 # --------------------------------------------------------------------------- defect 4
 
 @pytest.fixture(scope="module")
-def decoupled_plan(tmp_path_factory) -> tuple[Path, Plan]:
+def decoupled_plan(tmp_path_factory) -> tuple[Path, AllocationPlan]:
     """`mindspeed-flow plan configs/allocator/tiny_cpu.yaml --devices 3`: the encoder on 1
     device of its own, the backbone dp 2 (the tiny CPU profile's best plan on 3 devices)."""
     out = tmp_path_factory.mktemp("plan") / "plan.yaml"
     proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "plan", str(ROOT / "configs/allocator/tiny_cpu.yaml"),
                            "--devices", "3", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    plan = Plan.load(out)
+    plan = AllocationPlan.load(out)
     assert plan.placement == "decoupled" and (plan.encoder.devices, plan.backbone.devices) == (1, 2)
     return out, plan
 

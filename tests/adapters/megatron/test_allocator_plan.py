@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from mindspeed_flow.adapters.megatron.allocator_plan import apply_to_megatron_args, apply_to_mm_model
-from mindspeed_flow.allocator import AllocatorError, BackboneConfig, EncoderConfig, Plan, Prediction
+from mindspeed_flow.allocator import AllocationPlan, AllocatorError, BackboneConfig, EncoderConfig, Prediction
 from mindspeed_flow.allocator.upstream import megatron_args, mindspeed_mm_args
 from pinned_upstream import upstream_sources
 from subprocess_utils import last_json, run_python
@@ -23,10 +23,10 @@ PREDICTION = Prediction(throughput=10.0, production=11.0, consumption=10.0, mfu=
                         backbone_step_s=6.4, microbatches=16, encoder_memory_gib=10.0, backbone_memory_gib=50.0)
 
 
-def make_plan(split=(10,) * 8, dp=2, tp=4, micro_batch=1) -> Plan:
+def make_plan(split=(10,) * 8, dp=2, tp=4, micro_batch=1) -> AllocationPlan:
     """A co-located plan (the encoder in stage 0 with the backbone's TP and DP): the only
     placement a Megatron / MindSpeed-MM job applies."""
-    return Plan(EncoderConfig(dp=dp, tp=tp, layers=32),
+    return AllocationPlan(EncoderConfig(dp=dp, tp=tp, layers=32),
                 BackboneConfig(dp=dp, tp=tp, pp=len(split), micro_batch=micro_batch, layer_split=split),
                 global_batch=64, predicted=PREDICTION, placement="colocated")
 
@@ -35,7 +35,7 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "allocator"
 _CLI_PLANS: dict = {}
 
 
-def cli_plan(config: str, devices: int, tmp_path_factory) -> tuple[Path, Plan, str]:
+def cli_plan(config: str, devices: int, tmp_path_factory) -> tuple[Path, AllocationPlan, str]:
     """A plan as a user makes one: `mindspeed-flow plan CONFIG --devices N --out PLAN`
     (file, plan, printed text); solved once per session."""
     key = (config, devices)
@@ -45,7 +45,7 @@ def cli_plan(config: str, devices: int, tmp_path_factory) -> tuple[Path, Plan, s
                                "--devices", str(devices), "--out", str(out)], capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        _CLI_PLANS[key] = (out, Plan.load(out), proc.stdout)
+        _CLI_PLANS[key] = (out, AllocationPlan.load(out), proc.stdout)
     return _CLI_PLANS[key]
 
 
@@ -124,7 +124,7 @@ def test_uneven_first_and_last_stage_use_megatrons_flags(tmp_path):
 def test_colocated_plan_is_upstreams_own_layout(tmp_path):
     """Encoder in stage 0 with the backbone's TP: no --hetero-parallel, the LLM split holds
     fewer layers on stage 0 (Megatron's first-stage flag), the ViT sits on stage 0."""
-    plan = Plan(EncoderConfig(dp=2, tp=4, layers=32),
+    plan = AllocationPlan(EncoderConfig(dp=2, tp=4, layers=32),
                 BackboneConfig(dp=2, tp=4, pp=8, micro_batch=1, layer_split=(3, 11, 11, 11, 11, 11, 11, 11)),
                 global_batch=64, predicted=PREDICTION, placement="colocated")
     assert plan.devices == 64 and "--hetero-parallel" not in mindspeed_mm_args(plan)
@@ -136,7 +136,7 @@ def test_colocated_plan_is_upstreams_own_layout(tmp_path):
     assert "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 11" in printed
     assert "--decoder-first" not in " ".join(megatron_args(make_plan()))  # even split: Megatron's default
     model = _config_tree({"image_encoder": {"vision_encoder": {"num_layers": 32}}, "text_decoder": {}})
-    apply_to_mm_model(model, Plan.load(tmp_path / "plan.yaml"), "plan.yaml")
+    apply_to_mm_model(model, AllocationPlan.load(tmp_path / "plan.yaml"), "plan.yaml")
     assert model.text_decoder.pipeline_num_layers == [3, 11, 11, 11, 11, 11, 11, 11]
     assert model.image_encoder.vision_encoder.pipeline_num_layers == [32, 0, 0, 0, 0, 0, 0, 0]
 
