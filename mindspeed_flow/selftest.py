@@ -1,11 +1,11 @@
 """``mindspeed-flow selftest``: the plugin's piecewise checks, run for real on this machine.
 
 The checks (patch table, megatron-core's 1F1B at PP=2 against one process, packing and
-dispatch, fused attention inside megatron-core, simulated schedules) live in the source
-checkout's ``scripts/selftest.py``, because they reuse the test suite's harness
-(``tests/support/megatron_cpu_harness.py``) and configs, which a wheel does not ship.  So this
-subcommand runs that script when the package is an editable install of a checkout, and
-otherwise says that the self-test needs one.  ``mindspeed-flow train`` is the main job;
+dispatch, fused attention inside megatron-core, simulated schedules) are the package's; they
+are run by the source checkout's ``scripts/selftest.py``, because they read the checkout's
+workload and simulation configs (``configs/``), which a wheel does not ship (nothing of
+``tests/`` is used).  So this subcommand runs that script when the package is an editable
+install of a checkout, and otherwise says that the self-test needs one.  ``mindspeed-flow train`` is the main job;
 this is the quick look at each piece.
 """
 
@@ -20,7 +20,7 @@ from typing import Sequence
 import mindspeed_flow
 
 SCRIPT = Path("scripts") / "selftest.py"
-HARNESS = Path("tests") / "support" / "megatron_cpu_harness.py"
+CONFIGS = Path("configs")
 
 
 def add_selftest_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,10 +37,10 @@ def checkout_root(package_dir: Path | None = None) -> Path | None:
     """The source checkout the package is imported from, or None for an installed copy.
 
     An editable install imports ``mindspeed_flow`` from ``<checkout>/mindspeed_flow``; the
-    checkout is recognised by the self-test script and the test harness it needs beside it.
+    checkout is recognised by the self-test script and the configs it reads beside it.
     """
     root = (package_dir or Path(mindspeed_flow.__file__).resolve().parent).parent
-    return root if (root / SCRIPT).is_file() and (root / HARNESS).is_file() else None
+    return root if (root / SCRIPT).is_file() and (root / CONFIGS).is_dir() else None
 
 
 def selftest_command(root: Path, argv: Sequence[str]) -> list[str]:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if root is None:
         package = Path(mindspeed_flow.__file__).resolve().parent
         print(f"mindspeed-flow selftest: the self-test needs a source checkout: mindspeed_flow is imported "
-              f"from {package}, which has no {SCRIPT} and {HARNESS} beside it. Clone the repository and "
+              f"from {package}, which has no {SCRIPT} and {CONFIGS}/ beside it. Clone the repository and "
               f"install it in editable mode (pip install -e .), or run its scripts/selftest.py.",
               file=sys.stderr)
         return 2

@@ -14,11 +14,10 @@ would reach the attention as one sequence under one causal mask.
 from mindspeed_flow.adapters.megatron import attention as megatron_core_attention
 from mindspeed_flow.adapters.mindspeed_mm import model as mindspeed_mm
 from mindspeed_flow.patching import Patch
-from mindspeed_flow.patching.versions import MEGATRON_CORE, MEGATRON_CORE_NEXT, MEGATRON_LM, MINDSPEED, MINDSPEED_MM, source
 
 FEATURE = "fused_attn"
-CHECKED_MEGATRON = (MEGATRON_CORE, source(MEGATRON_LM), source(MEGATRON_CORE_NEXT))
-CHECKED_MM = (source(MINDSPEED_MM),)
+MEGATRON = ("megatron-core 0.12.3", "Megatron-LM core_v0.12.1 (source)", "megatron-core 0.16.1 (source)")
+MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
 VIT = "mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model"
 VIT_BLOCK = "mindspeed_mm.models.vision.vision_encoders.vision_transformer_block"
 QWEN3_VIT = "mindspeed_mm.models.vision.vision_encoders.qwen3vl_vit_model"
@@ -31,7 +30,7 @@ def flash_attn_view(module: str, description: str) -> Patch:
         feature=FEATURE,
         target=f"{module}:get_args",
         wrapper=mindspeed_mm.vit_get_args,
-        checked=CHECKED_MM,
+        checked=MINDSPEED_MM,
         rebind_aliases=False,
         description=description,
     )
@@ -43,7 +42,7 @@ PATCHES = [
         target="megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
         wrapper=megatron_core_attention.dot_product_attention_forward,
         params="self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params",
-        checked=CHECKED_MEGATRON,
+        checked=MEGATRON,
         description="varlen attention when packed_seq_params is given (THD), upstream path otherwise",
     ),
     Patch(
@@ -52,7 +51,7 @@ PATCHES = [
         wrapper=mindspeed_mm.vlm_forward,
         params="self, input_ids, pixel_values, image_grid_thw, attention_mask, labels, inference_params, "
                "decoder_input, position_ids, packed_seq_params",
-        checked=CHECKED_MM,
+        checked=MINDSPEED_MM,
         description="turn the loader's cu_seqlens into packed_seq_params and keep them for the decoder",
     ),
     Patch(
@@ -61,7 +60,7 @@ PATCHES = [
         wrapper=mindspeed_mm.mm_gpt_forward,
         params="self, input_ids, position_ids, attention_mask, decoder_input, labels, inference_params, "
                "packed_seq_params",
-        checked=CHECKED_MM,
+        checked=MINDSPEED_MM,
         description="receive the packed_seq_params VLMModel.forward does not pass on",
     ),
     Patch(
@@ -69,7 +68,7 @@ PATCHES = [
         target="mindspeed_mm.models.vision.vlm_attentionmask_for_llm:prepare_positionsids_mask_for_llm",
         wrapper=mindspeed_mm.prepare_mask_for_llm,
         params="config, input_ids, inference_params, attention_mask, position_ids",
-        checked=CHECKED_MM,
+        checked=MINDSPEED_MM,
         description="no dense [B,1,S,S] LLM mask for a packed batch",
     ),
     Patch(
@@ -77,7 +76,7 @@ PATCHES = [
         target=f"{VIT}:apply_multimodal_rotary_pos_emb",
         wrapper=mindspeed_mm.mrope_on_packed,
         params="q, k, cos, sin, use_fused_rope",
-        checked=CHECKED_MM,
+        checked=MINDSPEED_MM,
         description="M-RoPE on packed (squeezed THD) LLM queries",
     ),
     Patch(
@@ -85,7 +84,7 @@ PATCHES = [
         target="mindspeed.core.transformer.flash_attention.generate_mask.adaptor:get_attention_mask",
         wrapper=mindspeed_mm.no_global_mask_when_packed,
         params="config",
-        checked=(source(MINDSPEED),),
+        checked=("MindSpeed 028de58 (source)",),
         optional=True,
         description="MindSpeed's mask generator (GenerateMaskFeature) builds no dense [S,S] mask for a packed call",
     ),

@@ -15,8 +15,10 @@ schedules: Megatron-style (best split), DistTrain-like, Mpipe <transpose, 1f1b> 
    draws the first of them (seed 0) and its title gives both.
 
 Nothing here is canned: every number printed is computed in this run.  Charts go to
-``outputs/selftest/`` (``--out``).  Megatron's tiny-GPT harness lives with the tests (``tests/``),
-which is where its regression tests use it, so this script runs from a source checkout only.
+``outputs/selftest/`` (``--out``).  Every check is the package's (the tiny GPT of
+:mod:`mindspeed_flow.adapters.megatron.tiny_gpt` on the ranks of :mod:`mindspeed_flow.spawn`,
+:mod:`mindspeed_flow.packed_gpt_check`); nothing of ``tests/`` is imported.  The workload and
+simulation configs are the checkout's (``configs/``), so this script runs from a source checkout.
 The main job, which trains a model with every feature on against the baseline, is
 ``mindspeed-flow train`` (``scripts/demo.sh``).
 """
@@ -34,7 +36,6 @@ import torch
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 
 def section(title: str) -> None:
@@ -53,7 +54,7 @@ def check_doctor() -> None:
 
 
 def check_megatron_pp2() -> None:
-    import megatron_cpu_harness as harness
+    from mindspeed_flow.adapters.megatron import tiny_gpt as harness
 
     spec = harness.TinyGPTSpec()
     reference = harness.run_reference(spec)
@@ -108,10 +109,16 @@ def check_packing() -> None:
 def check_fused_attention() -> None:
     # The same fresh-interpreter run as tests/adapters/megatron/test_attention.py: the fused_attn
     # patch must be enabled before megatron is imported.
-    from subprocess_utils import last_json, run_python
-    from test_attention_megatron import GPT_SCRIPT
+    import json
+    import os
+    import subprocess
 
-    out = last_json(run_python(GPT_SCRIPT))
+    environ = {k: v for k, v in os.environ.items() if k != "MINDSPEED_FLOW_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.packed_gpt_check"], capture_output=True,
+                          text=True, timeout=300, env=environ)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mindspeed_flow.packed_gpt_check failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
     print("megatron-core GPTModel (RoPE, GQA), fused_attn enabled, one THD pack of samples "
           "of 5, 1, 17 and 9 tokens against each sample alone:")
     print(f"  logits {out['shape']}: max |packed - alone| = {out['logits']:.3g}")

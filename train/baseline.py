@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mindspeed_flow.adapters.megatron.parallel import destroy_model_parallel
+from mindspeed_flow.flat_grads import all_reduce_flat_grads
 from mindspeed_flow.train.stamps import MegatronStamps
-from mindspeed_flow.train.trainer import (LocalStep, Trainer, destroy_megatron_parallel, even_split,
-                                          replica_share, sum_grads)
+from mindspeed_flow.train.trainer import LocalStep, Trainer, even_split, replica_share
 
 if TYPE_CHECKING:
     from mindspeed_flow.train.config import TrainConfig
@@ -95,9 +96,9 @@ class BaselineTrainer(Trainer):
 
     def reduce_grads(self) -> None:
         with self.stamps.timed("llm", "REDUCE"):
-            sum_grads(self.parameters(), self.dp_group)
+            all_reduce_flat_grads(self.parameters(), self.dp_group)
 
     def close(self) -> None:
         self.stamps.remove()
-        destroy_megatron_parallel()
+        destroy_model_parallel()
 

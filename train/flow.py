@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mindspeed_flow.adapters.megatron.parallel import destroy_model_parallel
 from mindspeed_flow.train.stamps import executor_intervals
-from mindspeed_flow.train.trainer import LocalStep, Trainer, destroy_megatron_parallel, replica_share
+from mindspeed_flow.train.trainer import LocalStep, Trainer, replica_share
 
 if TYPE_CHECKING:
     from mindspeed_flow.pool.decoupled import DecoupledLayout
@@ -249,7 +250,7 @@ class FlowTrainer(Trainer):
             destroy(self.pool_name)
         if self.fused_attn is not None:
             self.fused_attn.remove()
-        destroy_megatron_parallel()
+        destroy_model_parallel()
 
 
 def enable_fused_attn() -> Any:

@@ -31,7 +31,6 @@ megatron-core is imported inside functions only (``mindspeed-flow --help`` needs
 from __future__ import annotations
 
 import math
-import re
 import zlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mindspeed_flow.adapters.megatron.global_names import global_name, layer_offset
 from mindspeed_flow.attention.patch_embed import replace_conv
 from mindspeed_flow.attention.varlen import varlen_attention
 from mindspeed_flow.data.conversation import IGNORE
@@ -54,7 +54,6 @@ CHANNELS = 3
 KERNEL = (TEMPORAL_PATCH, PATCH, PATCH)  # one row of the loader = one Conv3d window
 INIT_STD = 0.02  # Megatron's init_method_std default, used for the ViT too
 MAX_SEQUENCE_LENGTH = 1 << 15  # GPTModel wants one; RoPE builds its table per call
-_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -219,39 +218,6 @@ def init_vision_encoder(cfg: ModelConfig, *, conv_matmul: bool, varlen: bool) ->
 
 
 # --------------------------------------------------------------------------- GPT backbone
-
-
-def layer_offset(gpt: nn.Module) -> int:
-    """Global index of the stage's first transformer layer (0 for a stage without layers)."""
-    layers = gpt.decoder.layers
-    return layers[0].layer_number - 1 if len(layers) else 0
-
-
-def global_name(local_name: str, offset: int) -> str:
-    """``decoder.layers.{i}.x`` of a stage starting at global layer ``offset`` ->
-    ``decoder.layers.{offset + i}.x``; every other name is the same on every stage."""
-    return _LAYER_KEY.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_name)
-
-
-def global_state_dict(gpt: nn.Module) -> dict[str, Any]:
-    """The stage's state dict under global names, tensors copied (Megatron's ``_extra_state``
-    entries kept, so a strict load accepts it)."""
-    offset = layer_offset(gpt)
-    return {global_name(name, offset): value.detach().clone() if isinstance(value, torch.Tensor) else value
-            for name, value in gpt.state_dict().items()}
-
-
-def load_global_state_dict(gpt: nn.Module, state: dict[str, Any]) -> None:
-    """Load this stage's entries of a global-name state dict (the whole model's, or any
-    split's merged), strictly: a missing entry raises naming it."""
-    offset = layer_offset(gpt)
-    local = {}
-    for name in gpt.state_dict():
-        key = global_name(name, offset)
-        if key not in state:
-            raise KeyError(f"load_global_state_dict: {key} (stage parameter {name}) is not in the state dict")
-        local[name] = state[key]
-    gpt.load_state_dict(local, strict=True)
 
 
 def _split_fields(layers: list[int]) -> dict[str, int]:

@@ -22,7 +22,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -168,21 +168,6 @@ def fill_missing_grads(params: Iterable[torch.nn.Parameter]) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def sum_grads(params: Sequence[torch.nn.Parameter], group: Any) -> None:
-    """Sum the gradients of ``params`` over ``group`` in one flat all-reduce."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in params]
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def replica_share(count: int, replica: int, replicas: int) -> list[int]:
     """Replica ``replica``'s contiguous share of ``count`` items (the first ``count %
     replicas`` replicas take one more); every replica needs at least one."""
@@ -263,18 +248,6 @@ def _copied(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_copied(v) for v in obj]
     return obj
-
-
-def destroy_megatron_parallel() -> None:
-    """``destroy_model_parallel``, plus the group-rank lists it leaves behind (0.12 and
-    0.16): the next initialisation sets them only on their groups' members, so a rank left
-    out would still believe it is in the group."""
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    for leaked in ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS"):
-        if hasattr(parallel_state, leaked):
-            setattr(parallel_state, leaked, None)
 
 
 def build_trainer(kind: str, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> Trainer:

@@ -4,9 +4,8 @@ Feature modules in :mod:`mindspeed_flow.patches` declare :class:`Patch` objects;
 :class:`PatchRegistry` applies those of enabled features.
 """
 
-from .errors import PatchConflictError, PatchError
 from .patch import Patch
 from .registry import PatchRegistry
-from .status import PatchStatus
+from .status import PatchConflictError, PatchError, PatchStatus
 
 __all__ = ["Patch", "PatchRegistry", "PatchStatus", "PatchError", "PatchConflictError"]

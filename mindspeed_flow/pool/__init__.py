@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Pool, microbatch_key
+from .base import Pool
 from .errors import BackendUnavailable, BadHandle, PoolError, PoolFull, PoolTimeout, ProducerDied, StaleHandle
 from .handle import Handle
 
@@ -57,4 +57,4 @@ def open_pool(backend: str, capacity_bytes: int = 1 << 30, **options: Any) -> Po
 
 
 __all__ = ["BACKENDS", "BackendUnavailable", "BadHandle", "Handle", "Pool", "PoolError", "PoolFull", "PoolTimeout",
-           "ProducerDied", "StaleHandle", "microbatch_key", "open_pool"]
+           "ProducerDied", "StaleHandle", "open_pool"]

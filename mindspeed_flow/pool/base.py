@@ -4,7 +4,7 @@ A backend supplies three things: an :class:`~.index.Index` every process can rea
 producer's segment (``write`` the payload at an offset), and ``read`` of a handle's bytes
 from any process.  Everything else is here, once: capacity and back-pressure
 (:class:`~.arena.Arena`), claims (which producer will put a key), heartbeats (is that
-producer still alive), timeouts, and the microbatch lookup.
+producer still alive) and timeouts.
 
 Index layout (keys of the index, not of the pool):
 ``obj/<key>`` the handle (JSON); ``claim/<key>`` the producer that announced the key;
@@ -27,12 +27,6 @@ from .handle import Handle, check_layout, check_meta, dtype_name, from_bytes, to
 from .index import Index
 
 DEFAULT_TIMEOUT_S = 60.0
-
-
-def microbatch_key(m: int, name: str = "embeddings") -> str:
-    """The global key of ``name`` for microbatch ``m``: what consumers ask for without
-    knowing which producer made it."""
-    return f"{name}/mb{m}"
 
 
 class Pool:
@@ -117,11 +111,6 @@ class Pool:
         self.index.set(f"obj/{key}", handle.to_json())
         return handle
 
-    def put_microbatch(self, m: int, tensor: torch.Tensor, meta: dict | None = None, *,
-                       name: str = "embeddings", timeout: float | None = None) -> Handle:
-        """``put`` under :func:`microbatch_key` with ``microbatch: m`` in the metadata."""
-        return self.put(microbatch_key(m, name), tensor, {**(meta or {}), "microbatch": m}, timeout=timeout)
-
     def _released(self, keys: Iterable[str]) -> list[str]:
         return [k for k in keys if not self.index.has(f"obj/{k}")]
 
@@ -202,13 +191,6 @@ class Pool:
         except ValueError as exc:
             raise BadHandle(f"{exc}; refused ({self.backend} backend)") from None
         return current
-
-    def get_microbatch(self, m: int, *, name: str = "embeddings",
-                       timeout: float | None = None) -> tuple[torch.Tensor, Handle]:
-        """The tensor and handle (with its metadata) of ``name`` for microbatch ``m``,
-        whichever producer made it."""
-        handle = self.handle(microbatch_key(m, name), timeout)
-        return self._read_checked(handle), handle
 
     def wait_ready(self, keys: Sequence[str], timeout: float | None = None) -> list[Handle]:
         """Block until every key is in the pool (one shared deadline); their handles."""

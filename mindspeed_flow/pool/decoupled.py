@@ -256,40 +256,9 @@ class DecoupledLayout:
 
 
 def average_coalesced(named_parameters: Iterable[tuple[str, Any]], group: Any, count: int) -> None:
-    """Sum the gradients of ``named_parameters`` over ``group`` and divide them by ``count``,
-    in one flat all-reduce per parameter dtype instead of one per parameter (each of which
-    would pay the collective's latency on the step's critical path).
+    """Average the gradients of ``named_parameters`` over ``group`` (sum, then divide by
+    ``count``) in one flat all-reduce per parameter dtype; every peer must agree on which
+    parameters have a gradient (:func:`mindspeed_flow.flat_grads.all_reduce_flat_grads`)."""
+    from mindspeed_flow.flat_grads import all_reduce_flat_grads
 
-    The flat buffer holds every parameter that requires a gradient, in order (a missing
-    gradient as zeros), so the peers' buffers line up whenever they hold the same
-    parameters (same-TP-rank peers hold the same shards), followed by two flags per
-    parameter: "has a gradient" and "has none".  Their sums say, exactly in any float dtype
-    (a sum of ones is never zero), whether every peer, none or only some had a gradient:
-    every peer - the average is written back; none - the gradient stays ``None``; only some
-    - ``ValueError`` naming the parameter, on every peer alike, before any gradient changes
-    (the peers' gradients would otherwise diverge)."""
-    import torch
-    import torch.distributed as dist
-
-    buckets: dict[Any, list[tuple[str, Any]]] = {}
-    for name, param in named_parameters:
-        if param.requires_grad:
-            buckets.setdefault(param.dtype, []).append((name, param))
-    reduced = []
-    for dtype, params in buckets.items():
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in params]
-        flags = torch.tensor([[p.grad is not None, p.grad is None] for _, p in params], dtype=dtype,
-                             device=grads[0].device)
-        flat = torch.cat([*grads, flags.reshape(-1)])
-        dist.all_reduce(flat, group=group)
-        numel = sum(g.numel() for g in grads)
-        has, lacks = flat[numel:].view(-1, 2).unbind(1)
-        mixed = [name for (name, _), h, n in zip(params, has.tolist(), lacks.tolist()) if h and n]
-        if mixed:
-            raise ValueError(f"average_grads: parameters {mixed} have a gradient on some ranks of the group and "
-                             f"none on others; every peer must compute gradients for the same parameters")
-        reduced.append((params, flat[:numel].div_(count), has))
-    for params, values, has in reduced:
-        for (_, param), value, present in zip(params, values.split([p.numel() for _, p in params]), has.tolist()):
-            if present:
-                param.grad.copy_(value.view_as(param.grad))
+    all_reduce_flat_grads(named_parameters, group, divide_by=count, agree_on_missing=True)

@@ -3,10 +3,8 @@ stalled consumer or a blocked producer can be traced to the rank that is at faul
 
 from __future__ import annotations
 
-from ..errors import FlowError
 
-
-class PoolError(FlowError, RuntimeError):
+class PoolError(RuntimeError):
     """Base of every pool failure."""
 
 

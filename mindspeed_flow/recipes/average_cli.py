@@ -6,8 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from .averaging import average_checkpoints
-from .errors import AveragingError
+from .averaging import AveragingError, average_checkpoints
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -38,8 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import RecipeConfigError
-from .module_lr import parse_assignments
+from .module_lr import RecipeConfigError, parse_assignments
 
 IGNORE = -100
 

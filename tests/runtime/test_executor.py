@@ -206,6 +206,6 @@ def test_a_dying_rank_surfaces_on_the_others_within_the_timeout():
     with pytest.raises(HarnessError) as failure:
         launch(_fault_worker, 2, "die", timeout_s=60)
     text = str(failure.value)
-    assert "rank 1 failed:\ndied with exit code 3" in text
+    assert "rank 1 failed first; every rank was stopped:\ndied with exit code 3" in text
     assert "ActionFailed: r0 #" in text  # rank 0 names its own action and the peer's loss
     assert time.monotonic() - started < 50

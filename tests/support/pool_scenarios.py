@@ -44,7 +44,7 @@ def roundtrip(ctx) -> dict:
     if ctx.rank == 0:
         for name, tensor in expected.items():
             handles[name] = pool.put(f"obj/{name}", tensor, meta_of(name))
-        pool.put_microbatch(3, expected["f32"] * 2, {"sample_ids": [30, 31], "token_counts": [8, 9]})
+        pool.put("embeddings/mb3", expected["f32"] * 2, {"sample_ids": [30, 31], "token_counts": [8, 9], "microbatch": 3})
     ctx.barrier.wait()
     checked = 0
     if ctx.rank != 0:
@@ -58,7 +58,8 @@ def roundtrip(ctx) -> dict:
             assert handle.owner == ctx.owner(0) and handle.nbytes == want.numel() * want.element_size()
             assert handle.dtype == str(want.dtype).removeprefix("torch.") and handle.shape == tuple(want.shape)
             checked += 1
-        tensor, handle = pool.get_microbatch(3, timeout=10)
+        handle = pool.handle("embeddings/mb3", timeout=10)  # whichever producer made it
+        tensor = pool.get(handle)
         assert tensor.equal(expected["f32"] * 2)
         assert handle.meta == {"sample_ids": [30, 31], "token_counts": [8, 9], "microbatch": 3}
         assert handle.owner == ctx.owner(0)

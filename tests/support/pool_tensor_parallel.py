@@ -3,7 +3,7 @@
 backbone DP x TP x PP) of the tiny VLM, from one gloo world.
 
 The ViT's patch embedding is column-parallel and its layer row-parallel over the encoder
-replica's TP group (:mod:`mindspeed_flow.pool.encoder_tp`), projector replicated; the
+replica's TP group (:mod:`encoder_tp`, beside it), projector replicated; the
 backbone is megatron-core's ``GPTModel`` under Megatron's own tensor and pipeline
 parallelism (its parallel state built from the one world with the layout's
 ``megatron_parallel_kwargs``), each TP rank loading its shard of the single-process
@@ -24,7 +24,7 @@ class TensorParallelViT(nn.Module):
 
     def __init__(self, full: nn.Module, group) -> None:
         super().__init__()
-        from mindspeed_flow.pool.encoder_tp import ColumnParallelLinear, RowParallelLinear
+        from encoder_tp import ColumnParallelLinear, RowParallelLinear
 
         self.patch = ColumnParallelLinear(full.patch, group)
         self.layer = RowParallelLinear(full.layer, group)

@@ -119,7 +119,7 @@ def _batches(cfg, packs, layout: str) -> list:
 
 def _grads(module) -> dict[str, torch.Tensor]:
     """Gradients by global name; the ViT's patch kernel in the conv layout (both runs)."""
-    from mindspeed_flow.train.model import global_name, layer_offset
+    from mindspeed_flow.adapters.megatron.global_names import global_name, layer_offset
 
     offset = layer_offset(module.gpt)
     grads = {f"gpt.{global_name(n, offset)}": p.grad.clone() for n, p in module.gpt.named_parameters()}
@@ -286,7 +286,8 @@ def _split_worker(rank: int, world_size: int, corpus) -> dict:
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
     from megatron_cpu_harness import megatron_parallel
 
-    from mindspeed_flow.train.model import forward_step, global_state_dict
+    from mindspeed_flow.adapters.megatron.global_names import global_state_dict
+    from mindspeed_flow.train.model import forward_step
 
     registry = _fused_attn_registry()
     try:

@@ -110,7 +110,7 @@ def _reference(steps, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
 def _named_grads(module) -> dict[str, torch.Tensor]:
     """Gradients of a rank's module by global name (``gpt.decoder.layers.{global}...``,
     ``vit...``), flattened (the matmul patch embedding holds the Conv3d kernel flat)."""
-    from mindspeed_flow.train.model import global_name, layer_offset
+    from mindspeed_flow.adapters.megatron.global_names import global_name, layer_offset
 
     gpt = getattr(module, "gpt", None)
     vit = module.vit if gpt is not None else module
@@ -145,8 +145,8 @@ def _worker(rank, world_size):
 
     from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
     from mindspeed_flow.train.launch import DistEnv
-    from mindspeed_flow.train.trainer import (CheckpointMismatch, build_trainer, destroy_megatron_parallel,
-                                              peak_memory_mb)
+    from mindspeed_flow.adapters.megatron.parallel import destroy_model_parallel
+    from mindspeed_flow.train.trainer import CheckpointMismatch, build_trainer, peak_memory_mb
 
     shims = enable_cpu_shims()
     try:
@@ -188,7 +188,7 @@ def _worker(rank, world_size):
         try:
             out["reference"] = _reference(steps[:STEPS], cfg) if rank == 0 else None
         finally:
-            destroy_megatron_parallel()
+            destroy_model_parallel()
         return out
     finally:
         shims.remove()

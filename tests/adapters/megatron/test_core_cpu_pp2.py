@@ -115,7 +115,7 @@ def test_launch_names_the_failing_rank_and_stops_the_others():
     with pytest.raises(HarnessError) as failure:
         launch(_fail_on_rank_one, 2, timeout_s=60)
     # The cause comes first, though rank 0's report ("connection closed") may arrive first.
-    assert str(failure.value).startswith("rank 1 failed:")
+    assert str(failure.value).startswith("rank 1 failed first")
     assert "ValueError: deliberate failure on rank one" in str(failure.value)
     assert _harness_children() == []
 
