@@ -10,6 +10,7 @@ the vision encoder's own TP size (used by ``--hetero-parallel``).
 
 from mindspeed_flow.adapters.megatron import allocator_plan
 from mindspeed_flow.patching import Patch
+from mindspeed_flow.patching.versions import MEGATRON_LM, MINDSPEED_MM, source
 
 FEATURE = "allocator"
 
@@ -19,7 +20,7 @@ PATCHES = [
         target="megatron.training.arguments:validate_args",
         wrapper=allocator_plan.validate_args_wrapper,
         params="args, defaults",
-        checked=("Megatron-LM core_r0.12.1",),
+        checked=(MEGATRON_LM,),
         order=10,  # outside core's wrapper: the sizes are in place before anything validates
         description="write the plan's parallel sizes and batch into args before Megatron validates them",
     ),
@@ -28,7 +29,7 @@ PATCHES = [
         target="mindspeed_mm.configs.config:merge_mm_args",
         wrapper=allocator_plan.merge_mm_args_wrapper,
         params="args",
-        checked=("MindSpeed-MM 57069cd (source)",),
+        checked=(source(MINDSPEED_MM),),
         optional=True,
         description="set vision_encoder / text_decoder pipeline_num_layers and the encoder's TP from the plan",
     ),

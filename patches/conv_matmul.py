@@ -10,9 +10,10 @@ convert-patch-embed`` converts the flat-layout checkpoints of earlier versions.
 
 from mindspeed_flow.adapters.mindspeed_mm import model as mindspeed_mm
 from mindspeed_flow.patching import Patch
+from mindspeed_flow.patching.versions import MINDSPEED_MM, source
 
 FEATURE = "conv_matmul"
-MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
+CHECKED_MM = (source(MINDSPEED_MM),)
 
 PATCHES = [
     Patch(
@@ -20,7 +21,7 @@ PATCHES = [
         target="mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model:PatchEmbed.__init__",
         wrapper=mindspeed_mm.swap_conv_after_init("proj"),
         params="self, patch_size, temporal_patch_size, in_channels, embed_dim, bias",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="Qwen2-VL / Qwen2.5-VL / Qwen3-VL PatchEmbed.proj Conv3d -> matmul",
     ),
     Patch(
@@ -28,7 +29,7 @@ PATCHES = [
         target="mindspeed_mm.models.vision.vision_encoders.clip_vit_model:CLIPViT.__init__",
         wrapper=mindspeed_mm.swap_conv_after_init("conv1"),
         params="self, config, transformer_layer_spec, pre_process, post_process",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         optional=True,
         description="CLIP ViT conv1 Conv2d -> matmul",
     ),

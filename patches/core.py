@@ -6,6 +6,7 @@ Always enabled when the plugin is active, whatever the feature flags say.
 from mindspeed_flow.adapters.megatron import training as megatron_training
 from mindspeed_flow.adapters.mindspeed import feature as mindspeed
 from mindspeed_flow.patching import Patch
+from mindspeed_flow.patching.versions import MEGATRON_LM, MINDSPEED
 
 FEATURE = "core"
 
@@ -15,7 +16,7 @@ PATCHES = [
         target="megatron.training.arguments:parse_args",
         wrapper=megatron_training.parse_args_wrapper,
         params="extra_args_provider, ignore_unknown_args",
-        checked=("Megatron-LM core_r0.12.1",),
+        checked=(MEGATRON_LM,),
         description="register the --use-flowtrain / --flow-* flags in Megatron's strict parser",
     ),
     Patch(
@@ -23,7 +24,7 @@ PATCHES = [
         target="megatron.training.arguments:validate_args",
         wrapper=megatron_training.validate_args_wrapper,
         params="args, defaults",
-        checked=("Megatron-LM core_r0.12.1",),
+        checked=(MEGATRON_LM,),
         description="resolve the flags once Megatron has validated its own",
     ),
     Patch(
@@ -31,7 +32,7 @@ PATCHES = [
         target="mindspeed.features_manager.features_manager:MindSpeedFeaturesManager.set_features_list",
         wrapper=mindspeed.set_features_list_wrapper,
         params="cls, features_list",
-        checked=("MindSpeed 028de58",),
+        checked=(MINDSPEED,),
         optional=True,
         description="add mindspeed-flow to MindSpeed's feature list (MindSpeed is optional)",
     ),
@@ -40,7 +41,7 @@ PATCHES = [
         target="mindspeed.patch_utils:MindSpeedPatchesManager.apply_patches",
         wrapper=mindspeed.apply_patches_wrapper,
         params="",
-        checked=("MindSpeed 028de58",),
+        checked=(MINDSPEED,),
         optional=True,
         description="re-apply our patches that MindSpeed's (or MindSpeed-MM's) patch manager replaced",
     ),

@@ -14,10 +14,11 @@ would reach the attention as one sequence under one causal mask.
 from mindspeed_flow.adapters.megatron import attention as megatron_core_attention
 from mindspeed_flow.adapters.mindspeed_mm import model as mindspeed_mm
 from mindspeed_flow.patching import Patch
+from mindspeed_flow.patching.versions import MEGATRON_CORE, MEGATRON_CORE_NEXT, MEGATRON_LM, MINDSPEED, MINDSPEED_MM, source
 
 FEATURE = "fused_attn"
-MEGATRON = ("megatron-core 0.12.3", "Megatron-LM core_v0.12.1 (source)", "megatron-core 0.16.1 (source)")
-MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
+CHECKED_MEGATRON = (MEGATRON_CORE, source(MEGATRON_LM), source(MEGATRON_CORE_NEXT))
+CHECKED_MM = (source(MINDSPEED_MM),)
 VIT = "mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model"
 VIT_BLOCK = "mindspeed_mm.models.vision.vision_encoders.vision_transformer_block"
 QWEN3_VIT = "mindspeed_mm.models.vision.vision_encoders.qwen3vl_vit_model"
@@ -30,7 +31,7 @@ def flash_attn_view(module: str, description: str) -> Patch:
         feature=FEATURE,
         target=f"{module}:get_args",
         wrapper=mindspeed_mm.vit_get_args,
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         rebind_aliases=False,
         description=description,
     )
@@ -42,7 +43,7 @@ PATCHES = [
         target="megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
         wrapper=megatron_core_attention.dot_product_attention_forward,
         params="self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params",
-        checked=MEGATRON,
+        checked=CHECKED_MEGATRON,
         description="varlen attention when packed_seq_params is given (THD), upstream path otherwise",
     ),
     Patch(
@@ -51,7 +52,7 @@ PATCHES = [
         wrapper=mindspeed_mm.vlm_forward,
         params="self, input_ids, pixel_values, image_grid_thw, attention_mask, labels, inference_params, "
                "decoder_input, position_ids, packed_seq_params",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="turn the loader's cu_seqlens into packed_seq_params and keep them for the decoder",
     ),
     Patch(
@@ -60,7 +61,7 @@ PATCHES = [
         wrapper=mindspeed_mm.mm_gpt_forward,
         params="self, input_ids, position_ids, attention_mask, decoder_input, labels, inference_params, "
                "packed_seq_params",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="receive the packed_seq_params VLMModel.forward does not pass on",
     ),
     Patch(
@@ -68,7 +69,7 @@ PATCHES = [
         target="mindspeed_mm.models.vision.vlm_attentionmask_for_llm:prepare_positionsids_mask_for_llm",
         wrapper=mindspeed_mm.prepare_mask_for_llm,
         params="config, input_ids, inference_params, attention_mask, position_ids",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="no dense [B,1,S,S] LLM mask for a packed batch",
     ),
     Patch(
@@ -76,7 +77,7 @@ PATCHES = [
         target=f"{VIT}:apply_multimodal_rotary_pos_emb",
         wrapper=mindspeed_mm.mrope_on_packed,
         params="q, k, cos, sin, use_fused_rope",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="M-RoPE on packed (squeezed THD) LLM queries",
     ),
     Patch(
@@ -84,7 +85,7 @@ PATCHES = [
         target="mindspeed.core.transformer.flash_attention.generate_mask.adaptor:get_attention_mask",
         wrapper=mindspeed_mm.no_global_mask_when_packed,
         params="config",
-        checked=("MindSpeed 028de58 (source)",),
+        checked=(source(MINDSPEED),),
         optional=True,
         description="MindSpeed's mask generator (GenerateMaskFeature) builds no dense [S,S] mask for a packed call",
     ),

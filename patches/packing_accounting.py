@@ -5,9 +5,10 @@ with the loader's patches."""
 
 from mindspeed_flow.adapters.mindspeed_mm import training as mindspeed_mm_training
 from mindspeed_flow.patching import Patch
+from mindspeed_flow.patching.versions import MINDSPEED_MM, source
 
 FEATURE = "packing"
-MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
+CHECKED_MM = (source(MINDSPEED_MM),)
 
 PATCHES = [
     Patch(
@@ -15,7 +16,7 @@ PATCHES = [
         target="mindspeed_mm.training:train_step",
         wrapper=mindspeed_mm_training.train_step_real_samples,
         params="forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, call_backs",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="consumed samples / LR increment from the loader's real samples per step, not dp*mbs*microbatches",
     ),
 ]

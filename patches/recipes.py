@@ -8,11 +8,12 @@ from mindspeed_flow.adapters.megatron import checkpoint as checkpoint_extra
 from mindspeed_flow.adapters.megatron import recipes
 from mindspeed_flow.adapters.mindspeed_mm import loss as mindspeed_mm_loss
 from mindspeed_flow.patching import Patch
+from mindspeed_flow.patching.versions import MEGATRON_CORE, MEGATRON_CORE_NEXT, MEGATRON_LM, MINDSPEED_MM, source
 
 FEATURE = "recipes"
-CHECKED = ("megatron-core 0.12.3", "megatron-core 0.16.1")
-MINDSPEED_MM = ("MindSpeed-MM 57069cd (source)",)
-MEGATRON_LM = ("Megatron-LM core_r0.12.1",)
+CHECKED_CORE = (MEGATRON_CORE, MEGATRON_CORE_NEXT)
+CHECKED_MM = (source(MINDSPEED_MM),)
+CHECKED_LM = (MEGATRON_LM,)
 
 PATCHES = [
     Patch(
@@ -20,7 +21,7 @@ PATCHES = [
         target="megatron.core.optimizer:_get_param_groups",
         wrapper=recipes.param_groups_wrapper,
         params="model_chunks",
-        checked=CHECKED,
+        checked=CHECKED_CORE,
         description="split Megatron's param groups by module (--flow-module-lr prefixes)",
     ),
     Patch(
@@ -28,7 +29,7 @@ PATCHES = [
         target="megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.get_lr",
         wrapper=recipes.get_lr_wrapper,
         params="self, param_group",
-        checked=CHECKED,
+        checked=CHECKED_CORE,
         description="a module group's LR = schedule x multiplier x own warm-up",
     ),
     Patch(
@@ -36,7 +37,7 @@ PATCHES = [
         target="megatron.core.optimizer.optimizer:ChainedOptimizer.prepare_grads",
         wrapper=recipes.prepare_grads_wrapper,
         params="self",
-        checked=CHECKED,
+        checked=CHECKED_CORE,
         description="clip each module's gradient (--flow-module-grad-clip) before the global norm",
     ),
     Patch(
@@ -44,7 +45,7 @@ PATCHES = [
         target="megatron.training.arguments:validate_args",
         wrapper=recipes.validate_args_wrapper,
         params="args, defaults",
-        checked=("Megatron-LM core_r0.12.1",),
+        checked=CHECKED_LM,
         description="check and log the recipe values at start-up",
     ),
     Patch(
@@ -53,7 +54,7 @@ PATCHES = [
         wrapper=mindspeed_mm_loss.vlm_forward,
         params="self, input_ids, pixel_values, image_grid_thw, attention_mask, labels, inference_params, "
                "decoder_input, position_ids, packed_seq_params",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="keep the batch's sample_ids / packing for the loss (--flow-loss-weighting)",
     ),
     Patch(
@@ -61,7 +62,7 @@ PATCHES = [
         target="mindspeed_mm.models.vlm_model:VLMModel.compute_language_model_loss",
         wrapper=mindspeed_mm_loss.language_model_loss,
         params="self, logits, labels",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="weight each token's loss by its sample's task weight (TP = 1)",
     ),
     Patch(
@@ -69,7 +70,7 @@ PATCHES = [
         target="mindspeed_mm.models.vlm_model:VLMModel.compute_loss_with_tensor_parallel",
         wrapper=mindspeed_mm_loss.tensor_parallel_loss,
         params="self, logits, labels",
-        checked=MINDSPEED_MM,
+        checked=CHECKED_MM,
         description="weight each token's loss by its sample's task weight (TP > 1)",
     ),
     Patch(
@@ -77,7 +78,7 @@ PATCHES = [
         target="megatron.training.checkpointing:generate_state_dict",
         wrapper=checkpoint_extra.generate_state_dict_wrapper,
         params="args, model, optimizer, opt_param_scheduler, rng_state",
-        checked=MEGATRON_LM,
+        checked=CHECKED_LM,
         description="save the loss-weighting state with the checkpoint (--flow-loss-weighting)",
     ),
     Patch(
@@ -85,7 +86,7 @@ PATCHES = [
         target="megatron.training.checkpointing:_load_base_checkpoint",
         wrapper=checkpoint_extra.load_base_checkpoint_wrapper,
         params="load_dir, args, rank0, sharded_state_dict, checkpointing_context",
-        checked=MEGATRON_LM,
+        checked=CHECKED_LM,
         description="restore the loss-weighting state from the checkpoint (--flow-loss-weighting)",
     ),
 ]

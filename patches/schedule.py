@@ -9,6 +9,7 @@ of our runtime carries its own shape).
 
 from mindspeed_flow.adapters.megatron import schedule as megatron_core_schedule
 from mindspeed_flow.patching import Patch
+from mindspeed_flow.patching.versions import MEGATRON_CORE, MEGATRON_CORE_NEXT, MEGATRON_LM
 
 FEATURE = "schedule"
 
@@ -18,7 +19,7 @@ PATCHES = [
         target="megatron.core.pipeline_parallel.schedules:get_forward_backward_func",
         wrapper=megatron_core_schedule.get_forward_backward_func_wrapper,
         params="",
-        checked=("megatron-core 0.12.3", "megatron-core 0.16.1", "Megatron-LM core_r0.12.1"),
+        checked=(MEGATRON_CORE, MEGATRON_CORE_NEXT, MEGATRON_LM),
         description="run the composed schedule: our runtime behind Megatron's forward_backward_func",
     ),
     Patch(
@@ -26,7 +27,7 @@ PATCHES = [
         target="megatron.training.arguments:validate_args",
         wrapper=megatron_core_schedule.validate_args_wrapper,
         params="args, defaults",
-        checked=("Megatron-LM core_r0.12.1",),
+        checked=(MEGATRON_LM,),
         order=5,
         description="refuse features that swap the same schedule; load --flow-schedule-config at start-up",
     ),

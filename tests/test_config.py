@@ -25,7 +25,7 @@ from subprocess_utils import last_json, run_python
 from upstream_imports import require_importable
 
 MEGATRON_STANDIN = '''
-"""Stand-in for megatron.training.arguments (not on PyPI): the parse_args contract of core_r0.12.1."""
+"""Stand-in for megatron.training.arguments (not on PyPI): the parse_args contract of core_v0.12.1."""
 import argparse
 
 def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -204,7 +204,7 @@ def test_core_patches_make_the_strict_parse_accept_the_flags(megatron_standin, m
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_SRC"),
-                    reason="set MEGATRON_LM_SRC to a Megatron-LM checkout (core_r0.12.1) to run against its parse_args")
+                    reason="set MEGATRON_LM_SRC to a Megatron-LM checkout (core_v0.12.1) to run against its parse_args")
 def test_real_megatron_lm_parse_args_accepts_the_flags():
     code = '''
     import json, sys

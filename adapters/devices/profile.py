@@ -18,11 +18,9 @@ from typing import Any, Callable
 
 import torch
 
+from mindspeed_flow.adapters.errors import DeviceUnavailableError
+
 DEVICES = ("auto", "cpu", "cuda", "npu")
-
-
-class DeviceUnavailableError(RuntimeError):
-    """The requested profiling device (or enough of them, or its torch extension) is missing."""
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,10 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mindspeed_flow.adapters.errors import MegatronCoreVersionError
+
 MIN_MEGATRON_CORE = "0.12"
 _DISTRIBUTION = "megatron-core"
-
-
-class MegatronCoreVersionError(RuntimeError):
-    """megatron-core is missing, or older than what the plugin was checked against."""
 
 
 def megatron_core_version() -> str:

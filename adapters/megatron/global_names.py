@@ -49,4 +49,3 @@ def stage_state_dict(state: dict[str, Any], gpt: torch.nn.Module) -> dict[str, A
             raise KeyError(f"{key} (stage parameter {name}) is not in the state dict")
         local[name] = state[key]
     return local
-

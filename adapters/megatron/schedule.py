@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from mindspeed_flow.adapters.errors import ScheduleConflict
 from mindspeed_flow.runtime import Binding, Executor, LossRules, RuntimeOptions
 from mindspeed_flow.runtime.layout import local_visits, megatron_layout, plan_for
 from mindspeed_flow.schedule import Region
@@ -183,10 +184,6 @@ BYPASSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "our runtime sends a shape header with every tensor itself and never calls Megatron's "
      "p2p_communication, so MindSpeed's _communicate/_communicate_shapes patch is bypassed"),
 )
-
-
-class ScheduleConflict(RuntimeError):
-    """Another feature swaps the same schedule: the job must not run under the wrong one."""
 
 
 def check_conflicts(args: Any) -> None:

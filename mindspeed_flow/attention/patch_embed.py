@@ -29,13 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import ConvNotReplaceable
+
 _CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 log = logging.getLogger(__name__)
-
-
-class ConvNotReplaceable(ValueError):
-    """The convolution is not a patch embedding: a matmul would compute something else."""
 
 
 def replaceability_problems(conv: nn.Module) -> list[str]:

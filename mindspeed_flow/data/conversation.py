@@ -11,17 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from .errors import BadConversation
 from .tokenizer import TextTokenizer
 
 IGNORE = -100
 IMAGE_PLACEHOLDER = "<image>"
 DEFAULT_SYSTEM = "You are a helpful assistant."
-
-
-class BadConversation(ValueError):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 def placeholder_count(record: dict[str, Any]) -> int:

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .conversation import DEFAULT_SYSTEM, BadConversation, check_conversation, placeholder_count, tokenize_conversation
-from .images import MAX_PIXELS, MIN_PIXELS, BadImage, image_tokens, load_image
+from .conversation import DEFAULT_SYSTEM, check_conversation, placeholder_count, tokenize_conversation
+from .errors import BadConversation, BadImage, MalformedRecord
+from .images import MAX_PIXELS, MIN_PIXELS, image_tokens, load_image
 from .mrope import mrope_position_ids
-from .source import Corpus, MalformedRecord
+from .source import Corpus
 from .tokenizer import TextTokenizer
 
 BAD_KINDS = ("malformed_json", "missing_image", "corrupt_image", "empty_conversation",

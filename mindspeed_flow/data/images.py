@@ -21,6 +21,8 @@ import math
 import numpy as np
 import torch
 
+from .errors import BadImage
+
 PATCH = 14
 MERGE = 2
 TEMPORAL_PATCH = 2
@@ -28,14 +30,6 @@ MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 262144  # MindSpeed-MM's examples/qwen2.5vl/data_*.json image_max_pixels
-
-
-class BadImage(ValueError):
-    """An image file that is missing, cannot be decoded, or cannot be resized."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 def resized_size(height: int, width: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,

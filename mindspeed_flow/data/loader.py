@@ -23,10 +23,11 @@ which is deterministic, instead of storing pixels), and the counters.  A resumed
 yields exactly the packs the uninterrupted one would have yielded.
 
 Resuming with a different ``dp_size``, ``dp_rank``, ``num_workers``, ``seed``,
-``capacity``, ``window``, ``overlong``, pixel bounds or corpus size is refused with an
-error naming what differs.  A new DP layout is refused because the epoch's remaining
-samples are spread over every rank's state and re-sharding them would need all ranks'
-states at once; the other settings change the order or the lengths of held samples.
+``capacity``, ``window``, ``overlong``, pixel bounds or corpus size is refused with a
+:class:`.errors.ResumeMismatch` (a ``ValueError``) naming what differs.  A new DP layout is
+refused because the epoch's remaining samples are spread over every rank's state and
+re-sharding them would need all ranks' states at once; the other settings change the order
+or the lengths of held samples.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from mindspeed_flow.packing import BestFitPacker, CostModel, dispatch
 from . import broadcast
 from .batch import collate_pack, real_tokens
 from .decode import BadSample, Decoder, Sample, from_wire, to_wire
+from .errors import ResumeMismatch
 from .images import MAX_PIXELS, MIN_PIXELS
 from .overlong import POLICIES, OverlongPolicy, fit
 from .sharding import check_rank
@@ -306,14 +308,14 @@ class FlowDataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"loader state format {state.get('format')!r} is not {STATE_FORMAT}")
+            raise ResumeMismatch(f"loader state format {state.get('format')!r} is not {STATE_FORMAT}")
         mine = self._settings()
         differ = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in RESUME_KEYS
                   if k in mine and state.get(k) != mine[k]]
         if differ:
-            raise ValueError("cannot resume this loader state: " + "; ".join(differ) +
-                             " (resume with the saved settings; a new DP layout would need every rank's state "
-                             "to re-shard the epoch's remaining samples)")
+            raise ResumeMismatch("cannot resume this loader state: " + "; ".join(differ) +
+                                 " (resume with the saved settings; a new DP layout would need every rank's state "
+                                 "to re-shard the epoch's remaining samples)")
         if not self.decoding:
             return
         self._live = None  # an unfinished loop's position is replaced by the saved one
@@ -334,12 +336,12 @@ class FlowDataLoader:
             pieces = None if isinstance(sample, BadSample) else fit(sample, self.capacity, self.overlong,
                                                                   self._image_token_id)
             if pieces is None:
-                raise ValueError(f"resume: sample {self._decoder.corpus.place(index)} was packed before the "
-                                 f"checkpoint but cannot be decoded now (did its file change?)")
+                raise ResumeMismatch(f"resume: sample {self._decoder.corpus.place(index)} was packed before the "
+                                     f"checkpoint but cannot be decoded now (did its file change?)")
             held.update((p.key, p) for p in pieces)
         missing = [k for k in keys if k not in held]
         if missing:
-            raise ValueError(f"resume: chunks {missing[:5]} of held samples are missing after re-decoding")
+            raise ResumeMismatch(f"resume: chunks {missing[:5]} of held samples are missing after re-decoding")
         return {k: held[k] for k in keys}
 
 

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from mindspeed_flow.recipes.mixing import SOURCES, LossDrivenRatio, MixingConfig
 
+from .errors import ResumeMismatch
 from .loader import FlowDataLoader
 
 SOURCE_KEY = "mix_source"
@@ -76,12 +77,12 @@ class MixtureLoader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"mixture state format {state.get('format')!r} is not {STATE_FORMAT}")
+            raise ResumeMismatch(f"mixture state format {state.get('format')!r} is not {STATE_FORMAT}")
         mine = vars(self.mixing.config)
         differ = [f"{k}: saved {state['config'].get(k)!r}, now {v!r}" for k, v in mine.items()
                   if state["config"].get(k) != v]
         if differ:
-            raise ValueError("cannot resume this mixture state: " + "; ".join(differ))
+            raise ResumeMismatch("cannot resume this mixture state: " + "; ".join(differ))
         self.mixing.load_state_dict(state["mixing"])
         self.rng.setstate(state["rng"])
         self.draws = int(state["draws"])

@@ -25,22 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from mindspeed_flow.data.errors import MalformedRecord
 from mindspeed_flow.data.line_index import load_or_build
 
 SHARD_SUFFIXES = (".jsonl", ".json")
 DEMO_TOKENIZER_FILE = "flow_demo_tokenizer.json"  # never read as a shard
-
-
-class MalformedRecord(ValueError):
-    """A record that is not valid JSON or not a JSON object: ``str()`` is ``place: reason``;
-    ``reason`` alone is what a report that names the place itself adds."""
-
-    def __init__(self, place: str, reason: str) -> None:
-        super().__init__(place, reason)
-        self.place, self.reason = place, reason
-
-    def __str__(self) -> str:
-        return f"{self.place}: {self.reason}"
 
 
 @dataclass

@@ -10,9 +10,10 @@ import importlib
 import sys
 from pathlib import Path
 
+from .errors import SourceMissing
 from .patch import Patch, format_params, params_compatible, parse_params
 from .resolve import resolve_live, source_params, upstream_version
-from .source import SourceMissing, find_in_source, installed_roots
+from .source import find_in_source, installed_roots
 from .status import FOUND, MISSING, NOT_INSTALLED, SIGNATURE_CHANGED, PatchStatus
 
 

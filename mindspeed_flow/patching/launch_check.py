@@ -22,7 +22,8 @@ from typing import Sequence, TextIO
 
 from mindspeed_flow.config import flags_requested
 
-from .launch_script import LaunchScriptError, TrainingCommand, Word, read_training_command
+from .errors import LaunchScriptError
+from .launch_script import TrainingCommand, Word, read_training_command
 from .source_flags import FLAG_SOURCES, PLUGIN, FlagDecl, flag_catalogue, source_files
 
 EXAMPLES = Path("scripts") / "mindspeed_mm"  # in a source checkout of the plugin

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import LaunchScriptError
+
 OPERATORS = ("&&", "||", ";;", ">&", ">>", "|", "&", ";", ">", "<")
 REDIRECTIONS = (">&", ">>", ">", "<")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -39,14 +41,6 @@ class TrainingCommand:
     launcher: list[Word]  # e.g. torchrun $DISTRIBUTED_ARGS -m mindspeed_flow.launch
     entry: Word           # e.g. pretrain_vlm.py
     args: list[Word]      # the training script's arguments, in order
-
-
-class LaunchScriptError(ValueError):
-    """The script cannot be read (unbalanced quotes, no training command); names file and line."""
-
-    def __init__(self, path: Path, line: int, reason: str):
-        super().__init__(f"{path}:{line}: {reason}")
-        self.line, self.reason = line, reason
 
 
 Chars = list[tuple[str, int]]  # a word in the making: each character with its line

@@ -14,6 +14,8 @@ import importlib.machinery
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import SourceMissing
+
 MAX_REEXPORT_DEPTH = 5
 
 
@@ -24,10 +26,6 @@ class SourceHit:
     file: Path
     lineno: int
     params: list[tuple[str, str]] | None
-
-
-class SourceMissing(LookupError):
-    """The module file exists but the qualified name is not defined in it."""
 
 
 def module_file(module_name: str, roots: list[Path]) -> Path | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import PatchConflictError, PatchError
+
 # Status words, shared by the registry's report and doctor.
 DECLARED = "declared"  # feature not enabled: nothing done
 PENDING = "pending"  # enabled; applied when the target module is imported
@@ -31,14 +33,6 @@ class PatchStatus:
     def is_failure(self) -> bool:
         """A required target that is missing or changed: doctor exits non-zero on it."""
         return self.status in FAILING and not self.optional
-
-
-class PatchError(RuntimeError):
-    """A target is missing or its signature is not what the patch was written against."""
-
-
-class PatchConflictError(PatchError):
-    """Two features patch one target in ways that cannot compose."""
 
 
 def format_table(rows: list[PatchStatus]) -> str:

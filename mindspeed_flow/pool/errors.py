@@ -3,8 +3,10 @@ stalled consumer or a blocked producer can be traced to the rank that is at faul
 
 from __future__ import annotations
 
+from ..errors import FlowError
 
-class PoolError(RuntimeError):
+
+class PoolError(FlowError, RuntimeError):
     """Base of every pool failure."""
 
 

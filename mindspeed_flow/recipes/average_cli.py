@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .averaging import AveragingError, average_checkpoints
+from .averaging import average_checkpoints
+from .errors import AveragingError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -25,14 +25,12 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
+from .errors import AveragingError
+
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
 MODEL_KEY = re.compile(r"model\d*")
 KEPT_KEYS = ("args", "checkpoint_version", "iteration")
-
-
-class AveragingError(ValueError):
-    """Inputs that cannot be averaged; the message names the input and the first difference."""
 
 
 @dataclass(frozen=True)

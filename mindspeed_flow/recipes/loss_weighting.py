@@ -38,7 +38,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .module_lr import RecipeConfigError, parse_assignments
+from .errors import RecipeConfigError
+from .module_lr import parse_assignments
 
 IGNORE = -100
 

@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
+from .errors import RecipeConfigError
+
 MODULE_PREFIXES = ("image_encoder.encoder", "image_encoder.projector", "text_decoder")
 MODULE_KEY = "flow_module"
 MULT_KEY = "flow_lr_mult"
@@ -27,10 +29,6 @@ WARMUP_KEY = "flow_lr_warmup_steps"
 _WRAPPER_PREFIX = "module."
 
 T = TypeVar("T")
-
-
-class RecipeConfigError(ValueError):
-    """A recipe flag's value is malformed; the message names the flag and the entry."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
-"""Errors of the runtime: every one names the rank, the action index and the action."""
+"""Errors of the runtime: an action that failed names the rank, the action index and the
+action; a wait that ended without its message says why."""
 
 from __future__ import annotations
 
+from ..errors import FlowError
 from ..schedule.actions import Action
 
 
-class ActionFailed(RuntimeError):
+class ActionFailed(FlowError, RuntimeError):
     """An action of a rank's program failed, or could not finish because another rank's did.
 
     ``where`` is ``r<rank> #<index> <action>`` of the action this rank was running; the
@@ -19,6 +21,11 @@ class ActionFailed(RuntimeError):
         self.action = action
         self.reason = reason
         super().__init__(f"{where(rank, index, action)}: {reason}")
+
+
+class PeerFailure(FlowError, RuntimeError):
+    """A wait ended without its message: the reason says why (a rank's report, a closed
+    connection, the timeout)."""
 
 
 def where(rank: int, index: int, action: Action) -> str:

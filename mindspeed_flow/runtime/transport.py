@@ -31,15 +31,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .errors import PeerFailure
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int8, torch.uint8, torch.bool)
 MAX_DIMS = 8
 _HEADER = 2 + MAX_DIMS  # dtype code, number of dims, dims
-
-
-class PeerFailure(RuntimeError):
-    """A wait ended without its message: the reason says why (a rank's report, a closed
-    connection, the timeout)."""
 
 
 def header(tensor: torch.Tensor) -> torch.Tensor:

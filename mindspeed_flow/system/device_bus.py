@@ -26,6 +26,8 @@ import shutil
 import subprocess
 from typing import Callable, Mapping, Sequence
 
+from .errors import BusIdError
+
 # ``(argv) -> stdout``; the real one runs the tool, tests pass a named stand-in.
 CommandRunner = Callable[[Sequence[str]], str]
 # ``(local world size) -> each local rank's bus id (None: unknown)``.
@@ -33,10 +35,6 @@ BusIdQuery = Callable[[int], list[str | None]]
 
 _BDF = re.compile(r"(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
 _BOARD_BUS = re.compile(r"PCIe\s*Bus\s*Info\s*:\s*(\S+)", re.IGNORECASE)
-
-
-class BusIdError(ValueError):
-    """A bus id or a tool's answer that does not parse; the message names where it came from."""
 
 
 def normalise_bus_id(text: str, where: str) -> str:

@@ -17,15 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .errors import TopologyError
+
 log = logging.getLogger("mindspeed_flow")
 
 SYSFS_NODES = Path("/sys/devices/system/node")
 SYSFS_PCI = Path("/sys/bus/pci/devices")
 _NODE_DIR = re.compile(r"node(\d+)")
-
-
-class TopologyError(ValueError):
-    """A sysfs file that does not parse; the message names it."""
 
 
 def parse_cpulist(text: str, where: str) -> list[int]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mindspeed_flow.data import FlowDataLoader
+from mindspeed_flow.data.errors import ResumeMismatch
 
 from data_corpus import SAMPLES, demo_corpus
 
@@ -81,8 +82,15 @@ def test_resume_with_other_settings_is_refused_naming_them(corpus, change):
     settings = {**SETTINGS, "num_workers": 0, **change}
     other = FlowDataLoader(corpus, None, **settings)
     key = next(iter(change))
-    with pytest.raises(ValueError, match=f"cannot resume .*{key}: saved .* now {change[key]!r}"):
+    with pytest.raises(ResumeMismatch, match=f"cannot resume .*{key}: saved .* now {change[key]!r}"):
         other.load_state_dict(saved)
+
+
+def test_a_state_of_another_format_is_a_resume_mismatch(corpus):
+    loader = FlowDataLoader(corpus, None, num_workers=0, **SETTINGS)
+    state = {**loader.state_dict(), "format": 0}
+    with pytest.raises(ResumeMismatch, match="loader state format 0 is not 1"):
+        loader.load_state_dict(state)
 
 
 CHILD = textwrap.dedent("""

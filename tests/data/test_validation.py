@@ -18,6 +18,7 @@ import pytest
 
 from mindspeed_flow.adapters.mindspeed_mm import data as adapter
 from mindspeed_flow.data import FlowDataLoader
+from mindspeed_flow.data.errors import ResumeMismatch
 
 from data_corpus import SAMPLES, demo_corpus, epoch_ids
 from pinned_upstream import upstream_sources
@@ -54,7 +55,7 @@ def test_resume_with_other_records_is_refused_and_records_are_checked(corpus):
     loader = FlowDataLoader(corpus, None, records=[1, 2, 3, 4], **SETTINGS)
     next(iter(loader))
     other = FlowDataLoader(corpus, None, records=[1, 2, 3, 5], **SETTINGS)
-    with pytest.raises(ValueError, match="records: saved '4:"):
+    with pytest.raises(ResumeMismatch, match="records: saved '4:"):
         other.load_state_dict(loader.state_dict())
     with pytest.raises(ValueError, match=r"must lie in \[0, 120\)"):
         FlowDataLoader(corpus, None, records=[0, SAMPLES], **SETTINGS)

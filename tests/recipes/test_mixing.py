@@ -14,6 +14,7 @@ import pytest
 
 from mindspeed_flow.data import FlowDataLoader, MixtureLoader
 from mindspeed_flow.data.demo import make_demo_corpus
+from mindspeed_flow.data.errors import ResumeMismatch
 from mindspeed_flow.data.mixture import SOURCE_KEY
 from mindspeed_flow.recipes.mixing import LossDrivenRatio, MixingConfig
 
@@ -99,5 +100,5 @@ def test_resumed_mixture_makes_the_same_choices_and_repeats_no_batch(corpora):
     ids = [(source, sid) for source, ids in head + tail for sid in ids]  # both corpora have a part-0000.jsonl
     assert len(ids) == len(set(ids))
     other = make_mixture(corpora, replace(config, seed=8))
-    with pytest.raises(ValueError, match="cannot resume this mixture state: seed: saved 7, now 8"):
+    with pytest.raises(ResumeMismatch, match="cannot resume this mixture state: seed: saved 7, now 8"):
         other.load_state_dict(state)

@@ -176,7 +176,7 @@ def test_mindspeed_mm_model_config_gets_the_per_module_splits(upstream, tmp_path
 
 
 def test_real_megatron_lm_validate_args_derives_the_plans_data_parallel_size(upstream, tmp_path):
-    """Megatron-LM core_r0.12.1's own parse_args + validate_args, plugin active from the
+    """Megatron-LM core_v0.12.1's own parse_args + validate_args, plugin active from the
     command line: the plan's sizes are what Megatron validates, and the data parallel
     size Megatron derives from them is the plan's."""
     path = make_plan().save(tmp_path / "plan.yaml")
