@@ -1,22 +1,21 @@
-"""The process-wide patch registry, once the plugin is active.
+"""The process-wide patch registry and config tree, once the plugin is active.
 
 Entry points (the launcher, the zero-edit ``.pth`` hook, ``doctor``) build the registry from
-:mod:`mindspeed_flow.patches` and install it here; upstream adapters (MindSpeed's feature
-hook, say) then enable features through :func:`enable_features` without importing the
-patch declarations themselves.
+:mod:`mindspeed_flow.patches`, resolve the config tree from the command line and the
+environment, and install both here; upstream adapters then read the tree through
+:func:`flow_config` (never the flags themselves) and enable features through
+:func:`enable_features` without importing the patch declarations.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import sys
 from typing import Iterable
 
-from typing import TYPE_CHECKING
-
+from mindspeed_flow.config import FlowConfig, cross_check
 from mindspeed_flow.patching import PatchRegistry
-
-if TYPE_CHECKING:
-    from mindspeed_flow.config import FlowConfig
 
 log = logging.getLogger("mindspeed_flow")
 
@@ -26,6 +25,7 @@ CORE_FEATURE = "core"
 # devices of their own.  :func:`job_notes` says what each did in this job.
 JOB_FEATURES = ("pool", "system")
 _registry: PatchRegistry | None = None
+_config: FlowConfig | None = None
 _reported_unpatched: set[str] = set()
 
 POOL_INERT = (
@@ -36,7 +36,7 @@ POOL_INERT = (
     "Megatron / MindSpeed-MM job")
 
 
-def job_notes(config: "FlowConfig") -> list[str]:
+def job_notes(config: FlowConfig) -> list[str]:
     """What the features that swap nothing did in this Megatron / MindSpeed-MM job, one
     line each (logged with the job's feature line)."""
     notes = []
@@ -68,12 +68,41 @@ def current_registry() -> PatchRegistry | None:
     return _registry
 
 
+def install_config(config: FlowConfig) -> None:
+    """The tree the activation resolved; a later activation in the same process (the
+    launcher after the ``.pth`` hook) resolves the script's own arguments and replaces it."""
+    global _config
+    _config = config
+
+
+def current_config() -> FlowConfig | None:
+    return _config
+
+
+def flow_config(namespace: argparse.Namespace | None = None, where: str = "Megatron's arguments") -> FlowConfig:
+    """The job's config tree, what every adapter reads.
+
+    With ``namespace`` (Megatron's ``args``, MindSpeed's: ``where`` names it), the installed
+    tree is checked against it (:func:`mindspeed_flow.config.cross_check`: a disagreement is
+    a :class:`~mindspeed_flow.config.FlagError` naming the flags).  Without an activation
+    (an adapter driven directly: tests, a job that builds its own registry) the tree is
+    resolved from ``namespace`` (else ``sys.argv``) over ``MINDSPEED_FLOW_FLAGS``, with the
+    same precedence, and not installed.
+    """
+    if _config is not None:
+        return _config if namespace is None else cross_check(_config, namespace, where)
+    if namespace is not None:
+        return FlowConfig.from_namespace(namespace)
+    return FlowConfig.from_argv(sys.argv[1:])
+
+
 def deactivate() -> None:
-    """Undo every patch and forget the registry (tests, and ``doctor --use-flowtrain``)."""
-    global _registry
+    """Undo every patch and forget the registry and the tree (tests, and ``doctor --use-flowtrain``)."""
+    global _registry, _config
     if _registry is not None:
         _registry.remove()
     _registry = None
+    _config = None
 
 
 def enable_features(features: Iterable[str]) -> set[str]:

@@ -33,25 +33,37 @@ def refuse(error: Exception) -> str:
     return f"{REFUSED}{error}"
 
 
+def start(argv: Sequence[str]) -> bool:
+    """The plugin's activation, as the ``.pth`` hook and the launcher run it: torch's stores
+    kept on loopback first (torchrun's agent runs the hook too, before its store), then the
+    config tree resolved from ``argv`` over ``MINDSPEED_FLOW_FLAGS`` and installed with the
+    registry.  Flags the tree refuses (:class:`~mindspeed_flow.config.FlagError`) print the
+    one refusal line; the caller ends the process (``False``)."""
+    from mindspeed_flow.config import FlagError, FlowConfig
+    from mindspeed_flow.patches import activate
+
+    keep_stores_on_loopback()
+    try:
+        config = FlowConfig.from_argv(argv)
+    except FlagError as error:
+        print(refuse(error), file=sys.stderr, flush=True)
+        return False
+    activate(config=config)
+    return True
+
+
 def autoload() -> None:
     """Activate the plugin if the command line or environment asks for it (the .pth hook).
 
-    Flags that are refused (:class:`~mindspeed_flow.config.FlagError`) end the process here
-    with exit code 2 and one line naming them: ``site`` would print an exception raised in a
-    ``.pth`` line and go on, and the job would start without the plugin.
+    Refused flags end the process here with exit code 2 and one line naming them: ``site``
+    would print an exception raised in a ``.pth`` line and go on, and the job would start
+    without the plugin.
     """
-    from mindspeed_flow.config import FlagError, flags_requested
+    from mindspeed_flow.config import flags_requested
 
-    if flags_requested(sys.argv[1:]):
-        keep_stores_on_loopback()  # first: torchrun's agent runs this hook too, before its store
-        from mindspeed_flow.patches import activate
-
-        try:
-            activate(sys.argv[1:])
-        except FlagError as error:
-            print(refuse(error), file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(REFUSED_EXIT_CODE)
+    if flags_requested(sys.argv[1:]) and not start(sys.argv[1:]):
+        sys.stdout.flush()
+        os._exit(REFUSED_EXIT_CODE)
 
 
 def keep_stores_on_loopback() -> None:
@@ -88,15 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not run_module:
         put_script_folder_first(target)
 
-    from mindspeed_flow.config import FlagError
-    from mindspeed_flow.patches import activate
-
-    keep_stores_on_loopback()
-    try:
-        activate(script_args)  # after the path is set: upstream beside the script is checked now
-    except FlagError as error:
-        print(refuse(error), file=sys.stderr, flush=True)
-        raise SystemExit(REFUSED_EXIT_CODE) from None
+    if not start(script_args):  # after the path is set: upstream beside the script is checked now
+        raise SystemExit(REFUSED_EXIT_CODE)
     sys.argv = [target, *script_args]
     if run_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from mindspeed_flow.activation import current_registry, enable_features, install_registry
+from mindspeed_flow.activation import current_registry, enable_features, install_config, install_registry
 from mindspeed_flow.config import FlowConfig
 from mindspeed_flow.patching import Patch, PatchRegistry
 
@@ -33,18 +33,23 @@ def build_registry() -> PatchRegistry:
     return PatchRegistry(all_patches())
 
 
-def activate(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> PatchRegistry:
-    """Make the plugin active in this process: build and install the registry (once) and
-    enable the features that ``argv`` (default ``sys.argv[1:]``) and the environment select.
+def activate(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+             config: FlowConfig | None = None) -> PatchRegistry:
+    """Make the plugin active in this process: resolve the config tree from ``argv``
+    (default ``sys.argv[1:]``) over the environment (or take the ``config`` already
+    resolved), install it and the registry (built once), and enable the features it selects.
 
-    Nothing upstream is imported here: patches of modules not imported yet wait for them.
+    Flags that are refused raise :class:`~mindspeed_flow.config.FlagError` before anything is
+    installed.  Nothing upstream is imported here: patches of modules not imported yet wait for them.
     """
+    if config is None:
+        config = FlowConfig.from_argv(sys.argv[1:] if argv is None else argv,
+                                      os.environ if environ is None else environ)
     registry = current_registry()
     if registry is None:
         registry = build_registry()
         install_registry(registry)
-    config = FlowConfig.from_argv(sys.argv[1:] if argv is None else argv,
-                                  os.environ if environ is None else environ)
+    install_config(config)
     # ``system`` swaps nothing: it sets the environment and the core binding right here,
     # before upstream (and torch_npu) is imported, so it is not a registry feature; the job's
     # log says what it set (``activation.job_notes``).

@@ -8,7 +8,8 @@ splits (``pipeline_num_layers`` of ``image_encoder.vision_encoder`` and ``text_d
 and the encoder's own ``tensor_model_parallel_size`` (read by ``--hetero-parallel``) are
 set there.
 
-The plan comes from ``--flow-allocator-plan`` (command line, or ``MINDSPEED_FLOW_FLAGS``).
+The plan comes from ``--flow-allocator-plan`` (command line, or ``MINDSPEED_FLOW_FLAGS``), as
+the config tree holds it (:func:`mindspeed_flow.activation.flow_config`).
 Only a co-located plan (the encoder inside the backbone's stage 0, upstream's own layout)
 is applied.  A decoupled plan (the encoder on devices of its own, feeding the backbone
 through the pool) is refused at start-up with the reason, at any world size: this version
@@ -27,13 +28,13 @@ from typing import Any, Callable
 from mindspeed_flow.allocator.errors import AllocatorError
 from mindspeed_flow.allocator.plan import COLOCATED, AllocationPlan
 from mindspeed_flow.allocator.upstream import megatron_split_settings, mindspeed_mm_model
-from mindspeed_flow.config import env_flags, parse_flow_flags
+from mindspeed_flow.activation import flow_config
 
 log = logging.getLogger(__name__)
 
 
 def plan_path(namespace: argparse.Namespace) -> str:
-    path = getattr(namespace, "flow_allocator_plan", None) or parse_flow_flags(env_flags()).flow_allocator_plan
+    path = flow_config(namespace).allocator.plan
     if not path:
         raise AllocatorError("--flow-allocator is on but no plan was given: add --flow-allocator-plan PLAN.yaml "
                              "(write one with `mindspeed-flow plan CONFIG --out PLAN.yaml`)")

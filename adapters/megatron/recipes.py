@@ -14,9 +14,10 @@ ready and before the global norm.  Parameters are named by the group wrapper abo
 optimizer's own group lists.  The distributed optimizer is refused (its shards are not
 whole parameters; not supported in this version).
 
-The settings come from Megatron's ``args`` when ``validate_args`` has run, else from the
-command line / ``MINDSPEED_FLOW_FLAGS`` (a job that builds its optimizer without Megatron's
-argument path).
+The settings are the config tree's recipe options (command line over ``MINDSPEED_FLOW_FLAGS``,
+:func:`mindspeed_flow.activation.flow_config`), read when ``validate_args`` has run (checked
+against Megatron's ``args``), else on first use (a job that builds its optimizer without
+Megatron's argument path).
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import sys
 from typing import Any, Callable
 
-from mindspeed_flow.config import env_flags, parse_flow_flags
+from mindspeed_flow.activation import flow_config
 from mindspeed_flow.recipes.loss_weighting import LossWeightingConfig, loss_weighting_settings
 from mindspeed_flow.recipes.module_clip import clip_grads_per_module
 from mindspeed_flow.recipes.module_lr import (
@@ -44,23 +44,19 @@ _clip: dict[str, float] = {}
 _loss_weighting: LossWeightingConfig | None = None
 
 
-def configure(namespace: argparse.Namespace) -> tuple[ModuleLR, ...]:
-    """Read (and check) the recipe values of ``namespace``; they apply from now on."""
+def configure(namespace: argparse.Namespace | None = None) -> tuple[ModuleLR, ...]:
+    """Read (and check) the tree's recipe values (``namespace``: Megatron's ``args``, checked
+    against the tree); they apply from now on."""
     global _settings, _clip, _loss_weighting
-    env = parse_flow_flags(env_flags())
-
-    def pick(dest: str):
-        value = getattr(namespace, dest, None)
-        return value if value is not None else getattr(env, dest, None)
-
-    _settings = module_lr_settings(pick("flow_module_lr"), pick("flow_module_lr_warmup"))
-    _clip = grad_clip_settings(pick("flow_module_grad_clip"))
-    _loss_weighting = loss_weighting_settings(pick("flow_loss_weighting"), pick("flow_loss_weighting_beta"))
+    options = flow_config(namespace).recipes
+    _settings = module_lr_settings(options.module_lr, options.module_lr_warmup)
+    _clip = grad_clip_settings(options.module_grad_clip)
+    _loss_weighting = loss_weighting_settings(options.loss_weighting, options.loss_weighting_beta)
     return _settings
 
 
 def current_settings() -> tuple[ModuleLR, ...]:
-    return _settings if _settings is not None else configure(parse_flow_flags(sys.argv[1:]))
+    return _settings if _settings is not None else configure()
 
 
 def current_clip() -> dict[str, float]:

@@ -9,6 +9,10 @@ change).  It keeps Megatron's contract around the schedule too: the model config
 With several model chunks per rank (the interleaved schedule) the virtual pipeline rank is
 set to each chunk's index before its forward and backward passes, as Megatron does, and put
 back when the step ends.
+
+The layout file is the config tree's ``schedule.config`` (``--flow-schedule-config`` on the
+command line or in ``MINDSPEED_FLOW_FLAGS``, :func:`mindspeed_flow.activation.flow_config`),
+never read from Megatron's ``args`` alone: the environment's value would be missing there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from mindspeed_flow.activation import flow_config
 from mindspeed_flow.adapters.errors import ScheduleConflict
 from mindspeed_flow.runtime import Binding, Executor, LossRules, RuntimeOptions
 from mindspeed_flow.runtime.layout import local_visits, megatron_layout, plan_for
@@ -204,12 +209,16 @@ def check_conflicts(args: Any) -> None:
             log.warning("%s with %s: %s", FEATURE, name, why)
 
 
+def layout_path(args: Any) -> str | None:
+    """``--flow-schedule-config`` as the config tree holds it (checked against ``args``)."""
+    return flow_config(args).schedule.config
+
+
 def runtime_runs(args: Any) -> bool:
     """Whether our runtime serves the step: a layout is named, or there is more than one
     pipeline stage (:func:`get_forward_backward_func_wrapper` hands back Megatron's own
     function otherwise)."""
-    return bool(getattr(args, "flow_schedule_config", None)) or int(
-        getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+    return bool(layout_path(args)) or int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
 
 
 def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None:
@@ -218,7 +227,7 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
     ``vision_encoder`` / ``text_decoder`` ``pipeline_num_layers``, read when the schedule is
     first built: MindSpeed-MM merges its model config into ``args`` (``merge_mm_args``) only
     after Megatron validated the arguments."""
-    path = getattr(args, "flow_schedule_config", None)
+    path = layout_path(args)
     if not path:
         return None
     import yaml
@@ -254,7 +263,7 @@ def options_from_args(args: Any) -> RuntimeOptions | None:
     """The ``runtime:`` section of ``--flow-schedule-config`` (``timeout_s``: how long a
     wait may take before the step fails naming the action; ``abort_poll_s``;
     ``max_pending_sends``), or ``None`` when the file has none."""
-    path = getattr(args, "flow_schedule_config", None)
+    path = layout_path(args)
     if not path:
         return None
     import yaml

@@ -3,8 +3,9 @@
 Megatron parses with unknown flags rejected, so the plugin's flags must be in its parser:
 ``parse_args`` is wrapped to chain :func:`mindspeed_flow.config.add_flow_arguments` after
 the caller's ``extra_args_provider`` (MindSpeed-MM passes its own), and ``validate_args``
-is wrapped to resolve the switches once the whole namespace is known, so that a
-contradiction fails at start-up with the flags named.
+is wrapped to check the whole namespace against the config tree resolved at activation
+(:func:`mindspeed_flow.activation.flow_config`), so that a contradiction, or a namespace that
+disagrees with the tree, fails at start-up with the flags named, and to log what is on.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import argparse
 import logging
 from typing import Any, Callable
 
-from mindspeed_flow.activation import job_notes
-from mindspeed_flow.config import FlowConfig, add_flow_arguments
+from mindspeed_flow.activation import flow_config, job_notes
+from mindspeed_flow.config import add_flow_arguments
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ def parse_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: di
 
 
 def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``validate_args(args, defaults={})``, then resolve the switches and say what is on."""
+    """``validate_args(args, defaults={})``, then check the switches and say what is on."""
     result = wrapped(*args, **kwargs)
     namespace = args[0] if args else kwargs["args"]
-    config = FlowConfig.from_namespace(namespace)
+    config = flow_config(namespace)
     if getattr(namespace, "rank", 0) == 0:
         log.info("mindspeed-flow: %s", config.describe())
         for note in job_notes(config):

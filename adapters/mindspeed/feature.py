@@ -4,7 +4,9 @@ When MindSpeed is present it owns argument registration (``register_features_arg
 patch timing (``register_patches``).  Appending our feature to the list that
 ``MindSpeedFeaturesManager.set_features_list`` installs puts our flags into MindSpeed's
 early parser and Megatron's parser, and lets MindSpeed tell us when to apply patches.
-MindSpeed imports ``torch_npu``, so nothing here is imported before MindSpeed is.
+MindSpeed imports ``torch_npu``, so nothing here is imported before MindSpeed is.  The
+feature reads the config tree resolved at activation, checked against MindSpeed's ``args``
+(:func:`mindspeed_flow.activation.flow_config`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import functools
 import logging
 from typing import Any, Callable
 
-from mindspeed_flow.activation import current_registry, enable_features
-from mindspeed_flow.config import FlowConfig, add_flow_arguments
+from mindspeed_flow.activation import current_registry, enable_features, flow_config
+from mindspeed_flow.config import add_flow_arguments
 
 log = logging.getLogger(__name__)
 
 FEATURE_NAME = "use-flowtrain"
+ARGS = "MindSpeed's arguments"
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,16 +37,16 @@ def flowtrain_feature_class() -> type:
             super().__init__(FEATURE_NAME, optimization_level=0)
 
         def is_need_apply(self, args: argparse.Namespace) -> bool:
-            return bool(FlowConfig.from_namespace(args).features)
+            return bool(flow_config(args, ARGS).features)
 
         def register_args(self, parser: argparse.ArgumentParser) -> None:
             add_flow_arguments(parser)
 
         def validate_args(self, args: argparse.Namespace) -> None:
-            FlowConfig.from_namespace(args)
+            flow_config(args, ARGS)
 
         def register_patches(self, patch_manager: Any, args: argparse.Namespace) -> None:
-            enable_features(FlowConfig.from_namespace(args).features)
+            enable_features(flow_config(args, ARGS).features)
 
     return FlowTrainFeature
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config.options import POOL_BACKENDS as BACKENDS
 from .base import Pool
 from .errors import BackendUnavailable, BadHandle, PoolError, PoolFull, PoolTimeout, ProducerDied, StaleHandle
 from .handle import Handle
 
-BACKENDS = ("local", "shm", "torch", "mooncake", "memfabric")
 
 
 def open_pool(backend: str, capacity_bytes: int = 1 << 30, **options: Any) -> Pool:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
+
+from ..config.options import POOL_BACKENDS
 
 SHM = Path("/dev/shm")
 POOL_FEATURE = "pool"
@@ -34,11 +37,14 @@ def _mooncake_reason() -> str | None:
 
 
 def backend_status() -> dict[str, str | None]:
-    """Backend -> ``None`` (can run here) or the reason it cannot."""
+    """Backend -> ``None`` (can run here) or the reason it cannot, for every backend of
+    :data:`~mindspeed_flow.config.POOL_BACKENDS`, in its order."""
     from .memfabric import unavailable_reason
 
-    return {"local": None, "shm": _shm_reason(), "torch": _torch_reason(), "mooncake": _mooncake_reason(),
-            "memfabric": unavailable_reason()}
+    reasons: dict[str, Callable[[], str | None]] = {
+        "local": lambda: None, "shm": _shm_reason, "torch": _torch_reason, "mooncake": _mooncake_reason,
+        "memfabric": unavailable_reason}
+    return {backend: reasons[backend]() for backend in POOL_BACKENDS}
 
 
 def backend_rows() -> list[dict]:

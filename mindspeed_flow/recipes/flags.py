@@ -1,7 +1,10 @@
 """The recipe flags: values that act under the ``recipes`` feature.
 
 Every value is off by default, so ``--use-flowtrain`` (which turns the feature on) changes
-no number of a run that did not give one; giving a value turns the feature on.
+no number of a run that did not give one; giving a value turns the feature on
+(:class:`mindspeed_flow.config.RecipeOptions` holds them).  Every default is ``None``, "not
+given", so that the same flag in ``MINDSPEED_FLOW_FLAGS`` is not hidden by a default the
+command line's parse filled in; the recipe applies its own default.
 """
 
 from __future__ import annotations
@@ -9,9 +12,6 @@ from __future__ import annotations
 import argparse
 
 from .module_lr import MODULE_PREFIXES
-
-# dest of every value that implies the feature.
-RECIPE_VALUE_DESTS = ("flow_module_lr", "flow_module_lr_warmup", "flow_module_grad_clip", "flow_loss_weighting")
 
 
 def add_recipe_arguments(group: argparse._ArgumentGroup) -> None:
@@ -26,5 +26,5 @@ def add_recipe_arguments(group: argparse._ArgumentGroup) -> None:
                        help="dynamic per-task loss weights (inverse moving average of each task's loss, mean 1); "
                             "a sample's task is the first glob PATTERN its source file (from sample_ids) matches; "
                             "implies --flow-recipes")
-    group.add_argument("--flow-loss-weighting-beta", type=float, default=0.9, metavar="BETA",
+    group.add_argument("--flow-loss-weighting-beta", type=float, default=None, metavar="BETA",
                        help="momentum of the per-task loss moving averages, in [0, 1) (default 0.9)")

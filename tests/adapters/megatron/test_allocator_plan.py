@@ -16,6 +16,7 @@ import pytest
 from mindspeed_flow.adapters.megatron.allocator_plan import apply_to_megatron_args, apply_to_mm_model
 from mindspeed_flow.allocator import AllocationPlan, AllocatorError, BackboneConfig, EncoderConfig, Prediction
 from mindspeed_flow.allocator.upstream import megatron_args, mindspeed_mm_args
+from mindspeed_flow.config import ENV_VAR, add_flow_arguments
 from pinned_upstream import upstream_sources
 from subprocess_utils import last_json, run_python
 
@@ -211,3 +212,21 @@ def test_doctor_finds_the_allocator_targets_in_the_pinned_sources(upstream):
     found = {(r["target"], r["status"]) for r in rows}
     assert ("megatron.training.arguments:validate_args", "found") in found
     assert ("mindspeed_mm.configs.config:merge_mm_args", "found") in found
+
+
+def test_the_plan_named_in_the_environment_reaches_megatrons_args(tmp_path, monkeypatch):
+    """``--flow-allocator-plan`` in ``MINDSPEED_FLOW_FLAGS``: Megatron's own parse of the
+    command line has no plan; the config tree has it, and the command line's wins."""
+    path = make_plan().save(tmp_path / "plan.yaml")
+    parser = add_flow_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    monkeypatch.setenv(ENV_VAR, f"--flow-allocator --flow-allocator-plan {path}")
+    args = parser.parse_args([])
+    args.world_size, args.num_layers = 64, 80
+    assert args.flow_allocator_plan is None
+    apply_to_megatron_args(args)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (4, 8)
+    other = make_plan(split=(20,) * 4, dp=4, tp=4).save(tmp_path / "other.yaml")
+    args = parser.parse_args(["--flow-allocator-plan", str(other)])
+    args.world_size, args.num_layers = 64, 80
+    apply_to_megatron_args(args)
+    assert (args.pipeline_model_parallel_size, args.global_batch_size) == (4, 64)

@@ -33,16 +33,24 @@ package.MindSpeedFeature = feature_module.MindSpeedFeature
 
 from mindspeed_flow.activation import current_registry
 from mindspeed_flow.patches import activate
-registry = activate([])                 # active, nothing enabled but the flag registration
+COMMAND_LINE = ["--use-flowtrain", "--no-flow-pool"]
+registry = activate(COMMAND_LINE)       # the job's command line, which MindSpeed parses again below
 manager_module = importlib.import_module("mindspeed.features_manager.features_manager")
 Manager = manager_module.MindSpeedFeaturesManager
 Manager.set_features_list([])           # what mindspeed.features_manager does at import
 Manager.set_features_list(list(Manager.FEATURES_LIST))   # a second call must not duplicate us
 parser = argparse.ArgumentParser(allow_abbrev=False)
 Manager.register_features_args(parser)
-args = parser.parse_args(["--use-flowtrain", "--no-flow-pool"])
+args = parser.parse_args(COMMAND_LINE)
 args.optimization_level = 2
 Manager.validate_features_args(args)
+other = parser.parse_args(["--use-flowtrain"])   # a command line other than the activation's
+other.optimization_level = 2
+try:
+    Manager.validate_features_args(other)
+    refused = None
+except ValueError as error:
+    refused = str(error)
 enabled_before = sorted(registry.enabled)
 Manager.apply_features_patches(args)    # MindSpeed tells each feature to register its patches
 feature = Manager.FEATURES_LIST[0]
@@ -64,6 +72,7 @@ print(json.dumps({
     "name": feature.feature_name,
     "need_apply": feature.is_need_apply(args),
     "need_apply_without_flags": feature.is_need_apply(argparse.Namespace(optimization_level=2)),
+    "refused": refused,
     "parsed_pool": args.flow_pool,
     "enabled_before": enabled_before,
     "enabled_after": sorted(registry.enabled),
@@ -82,12 +91,17 @@ def test_flowtrain_is_a_real_mindspeed_feature():
     assert out["features"] == ["FlowTrainFeature"]
     assert out["is_base"] is True
     assert out["name"] == "use_flowtrain"
-    assert out["need_apply"] is True and out["need_apply_without_flags"] is False
+    # the feature reads the tree resolved at activation (a namespace without our flags has
+    # nothing to check against it); MindSpeed's args from another command line are refused
+    assert out["need_apply"] is True and out["need_apply_without_flags"] is True
+    assert out["refused"].startswith("MindSpeed's arguments disagree with the flags the plugin was activated with")
+    assert "--flow-pool-backend: 'torch' in MindSpeed's arguments, None at activation" in out["refused"]
     assert out["parsed_pool"] is False
-    assert out["enabled_before"] == ["core"]
-    # what MindSpeed asked for (--use-flowtrain --no-flow-pool), among the features with patches;
-    # the allocator stays off without --flow-allocator-plan
-    assert out["enabled_after"] == [f for f in out["declared"] if f not in ("pool", "allocator")]
+    # what the command line asks for (--use-flowtrain --no-flow-pool), among the features with
+    # patches, enabled at activation; MindSpeed's register_patches enables the same set
+    # (the allocator stays off without --flow-allocator-plan)
+    assert out["enabled_before"] == out["enabled_after"] == [
+        f for f in out["declared"] if f not in ("pool", "allocator")]
     assert out["status"] == "applied"
     assert out["apply_hook"] == "applied"
     assert out["was_ours"] and out["ours_on_top_of_mindspeed"]
