@@ -7,7 +7,8 @@ or failed, with a message that names the cause" from an accident inside torch or
 with one ``except FlowError``.  The classes keep the builtin base they always had
 (``ValueError``, ``RuntimeError``, ...) beside it: code that catches those still does.
 
-This module imports nothing of the project, so any module may import it.
+This module imports nothing of the project, so any module may import it.  It also holds the
+exceptions of the package's top-level modules (``spawn``), which have no package of their own.
 """
 
 from __future__ import annotations
@@ -15,3 +16,7 @@ from __future__ import annotations
 
 class FlowError(Exception):
     """Raised by mindspeed-flow itself: the message names what is wrong and where."""
+
+
+class RankFailed(FlowError, RuntimeError):
+    """A rank raised, died or ran past the time limit; the message holds its traceback."""

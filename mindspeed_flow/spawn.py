@@ -42,7 +42,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
-from mindspeed_flow.errors import FlowError
+from mindspeed_flow.errors import RankFailed
 from mindspeed_flow.loopback import LOOPBACK, tcp_store_server
 
 EXIT_GRACE_S = 2.0  # ranks that are ending anyway (interrupted) clean up before being stopped
@@ -63,10 +63,6 @@ class DistEnv:
     device: torch.device
     backend: str  # "gloo" | "nccl"
     cpu: bool
-
-
-class RankFailed(FlowError, RuntimeError):
-    """A rank raised, died or ran past the time limit; the message holds its traceback."""
 
 
 @dataclass

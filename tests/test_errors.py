@@ -58,24 +58,16 @@ def exception_classes() -> list[tuple[str, str, list[str]]]:
 
 
 EXCEPTIONS = exception_classes()
-# Classes whose modules their owners are moving in the same step (issue 21 items 1 and 3: the
-# config tree, the launcher shared by train/ and the tests); strict, so each entry must go
-# as soon as its class is on FlowError in an errors module.
-PENDING = {"mindspeed_flow.config.FlagError", "mindspeed_flow.train.config.ConfigError",
-           "mindspeed_flow.train.launch.RankFailed", "mindspeed_flow.train.metrics.MetricsError",
-           "mindspeed_flow.train.trainer.CheckpointMismatch"}
 
 
 def test_the_walk_finds_the_exceptions_of_every_package():
     packages = {module.split(".")[1] for module, _, _ in EXCEPTIONS if module.count(".")}
     assert {"allocator", "attention", "data", "patching", "pool", "recipes", "runtime", "schedule",
-            "system", "adapters"} <= packages
+            "system", "adapters", "config", "train"} <= packages
     assert len(EXCEPTIONS) >= 28  # the issue counted 28 classes without a common base
 
 
-@pytest.mark.parametrize("module, name, bases", [
-    pytest.param(m, n, b, id=f"{m}.{n}", marks=[pytest.mark.xfail(strict=True, reason="being moved by its owner")]
-                 if f"{m}.{n}" in PENDING else []) for m, n, b in EXCEPTIONS])
+@pytest.mark.parametrize("module, name, bases", EXCEPTIONS, ids=[f"{m}.{n}" for m, n, _ in EXCEPTIONS])
 def test_every_exception_derives_from_flow_error_in_an_errors_module(module, name, bases):
     assert module == "mindspeed_flow.errors" or module.endswith(".errors"), (
         f"{module}.{name}: exceptions live in their package's errors module")

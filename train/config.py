@@ -15,16 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mindspeed_flow.train.errors import ConfigError
 from mindspeed_flow.train.model import ModelConfig
 
 POOL_BACKENDS = ("local", "shm", "torch")
 # layout keys that count ranks or microbatches: each must be >= 1 (checked at load, naming the key)
 LAYOUT_POSITIVE = ("world_size", "baseline_pp", "flow_encoder_dp", "flow_backbone_pp", "flow_backbone_dp",
                    "max_ahead")
-
-
-class ConfigError(ValueError):
-    """A config file that cannot be used; the message names the file and the key."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
+from mindspeed_flow.train.errors import MetricsError
+
 REGIONS = ("vit", "llm")
 COMPUTE_KINDS = ("F", "B", "W")
 TRANSFER_KINDS = ("PUT", "GET", "SEND", "RECV", "REDUCE")
@@ -31,10 +33,6 @@ KINDS = COMPUTE_KINDS + TRANSFER_KINDS
 NO_MICROBATCH = -1  # Interval.microbatch of a per-step action (a gradient reduction)
 # Idle fractions and interval bounds are sums of float timer readings: allow rounding.
 _SLACK = 1e-9
-
-
-class MetricsError(ValueError):
-    """A record holds a value no measurement can produce (negative time, unknown kind, ...)."""
 
 
 def _check_time(owner: str, name: str, value: float) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from mindspeed_flow.train.errors import CheckpointMismatch
 from mindspeed_flow.train.metrics import RankRecord, StepOutcome
 from mindspeed_flow.train.stamps import StepStamps
 
@@ -35,10 +36,6 @@ if TYPE_CHECKING:
     from mindspeed_flow.train.launch import DistEnv
 
 RUNS = ("baseline", "flowtrain")
-
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint written by another run or layout than the trainer loading it."""
 
 
 @dataclass(frozen=True)

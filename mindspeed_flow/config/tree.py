@@ -22,15 +22,11 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
+from .errors import FlagError
 from .flags import FEATURE_NAMES, FEATURES, MASTER_DEST, MASTER_FLAG, env_flags, parse_flow_flags
 from .options import (
     DEFAULT_POOL_BACKEND, AllocatorOptions, PoolOptions, RecipeOptions, ScheduleOptions, SystemOptions, flag_dest,
 )
-
-
-class FlagError(ValueError):
-    """Flags that contradict each other, or that would make the job train silently wrong:
-    start-up refuses them, naming the flags."""
 
 
 # What a pack looks like to MindSpeed-MM's attention without ``fused_attn`` (pretrain_vlm.py,
