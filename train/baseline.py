@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from mindspeed_flow.adapters.megatron.parallel import destroy_model_parallel
 from mindspeed_flow.flat_grads import all_reduce_flat_grads
+from mindspeed_flow.schedule.regions import BACKBONE_REGION
 from mindspeed_flow.train.stamps import MegatronStamps
 from mindspeed_flow.train.trainer import LocalStep, Trainer, even_split, replica_share
 
@@ -95,7 +96,7 @@ class BaselineTrainer(Trainer):
         return LocalStep(loss, padded)
 
     def reduce_grads(self) -> None:
-        with self.stamps.timed("llm", "REDUCE"):
+        with self.stamps.timed(BACKBONE_REGION, "REDUCE"):
             all_reduce_flat_grads(self.parameters(), self.dp_group)
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mindspeed_flow.adapters.megatron.parallel import destroy_model_parallel
+from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
 from mindspeed_flow.train.stamps import executor_intervals
 from mindspeed_flow.train.trainer import LocalStep, Trainer, replica_share
 
@@ -191,7 +192,7 @@ class FlowTrainer(Trainer):
         role = layout.role(env.rank)
         self.region, self.stage = role[0], role[1]
         self.replica = layout.replica(env.rank)
-        if self.region == "vit":
+        if self.region == ENCODER_REGION:
             self.model = init_vision_encoder(cfg.model, conv_matmul=True, varlen=True).to(env.device)
             self.role = f"ViT replica {env.rank} (decoupled)"
         else:
@@ -230,8 +231,8 @@ class FlowTrainer(Trainer):
                                    loss=rules)
         executor_intervals(self.stamps, result.timeline)
         loss = sum(float(item["loss"]) for item in result.forward_data_store)
-        last = self.region == "llm" and self.stage == self.decoupled.backbone_pp - 1
-        first = self.region == "llm" and self.stage == 0
+        last = self.region == BACKBONE_REGION and self.stage == self.decoupled.backbone_pp - 1
+        first = self.region == BACKBONE_REGION and self.stage == 0
         return LocalStep(loss if last else 0.0,
                          sum(int(data.packs[i]["input_ids"].numel()) for i in mine) if first else 0)
 

@@ -24,9 +24,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
+from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
 from mindspeed_flow.train.errors import MetricsError
 
-REGIONS = ("vit", "llm")
+REGIONS = (ENCODER_REGION, BACKBONE_REGION)
 COMPUTE_KINDS = ("F", "B", "W")
 TRANSFER_KINDS = ("PUT", "GET", "SEND", "RECV", "REDUCE")
 KINDS = COMPUTE_KINDS + TRANSFER_KINDS

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
 from mindspeed_flow.train.metrics import NO_MICROBATCH, Interval
 
 BACKWARD_STEP = "megatron.core.pipeline_parallel.schedules:backward_step"
@@ -126,9 +127,9 @@ class MegatronStamps(StepStamps):
         """One ``llm`` interval, or the encoder's part (first in a forward, last in a
         backward) and the rest when the encoder ran at ``split``."""
         if split is None:
-            self.add("llm", kind, microbatch, start, end)
+            self.add(BACKBONE_REGION, kind, microbatch, start, end)
             return
-        first, second = ("vit", "llm") if kind == "F" else ("llm", "vit")
+        first, second = (ENCODER_REGION, BACKBONE_REGION) if kind == "F" else (BACKBONE_REGION, ENCODER_REGION)
         self.add(first, kind, microbatch, start, split)
         self.add(second, kind, microbatch, split, end)
 
@@ -162,5 +163,5 @@ def executor_intervals(stamps: StepStamps, timeline: Any) -> None:
         if kind is None:
             continue
         m = s.action.microbatch
-        region = s.action.region if s.action.region in ("vit", "llm") else "llm"
+        region = s.action.region if s.action.region in (ENCODER_REGION, BACKBONE_REGION) else BACKBONE_REGION
         stamps.add(region, kind, NO_MICROBATCH if m is None else m, s.start, s.end)

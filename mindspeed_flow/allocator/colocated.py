@@ -18,6 +18,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from mindspeed_flow.schedule.regions import ENCODER_REGION
+
 from . import memory
 from .candidates import LazyPool, Rejection, divisors
 from .memory import MemoryEstimate
@@ -25,7 +27,7 @@ from .pipeline import HEAD_REGION, LAYERS_REGION, PipelineLayout, pipeline_step,
 from .proxy import ProxyModel
 from .specs import ClusterSpec, ModelSpec, Workload
 
-VIT_REGION = "vit"
+VIT_REGION = ENCODER_REGION
 
 
 @lru_cache(maxsize=4096)  # replica counts of one shape often share their caps

@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 
 from ..schedule import Decoupled, OneFOneB, Region, compose
 from ..schedule.plan import Plan
+from ..schedule.regions import BACKBONE_REGION as BACKBONE
+from ..schedule.regions import ENCODER_REGION as ENCODER
 
-ENCODER = "vit"
-BACKBONE = "llm"
 MEGATRON_ORDER = "tp-cp-ep-pp-dp"
 
 

@@ -12,9 +12,11 @@ from typing import Any, Sequence
 
 from ..schedule import (GPipe, Interleaved1F1B, OneFOneB, Region, ScheduleError, Transpose, ZeroBubbleH1,
                         compose)
+from ..schedule.actions import COMPUTE
 from ..schedule.plan import Plan
+from ..schedule.regions import BACKBONE_REGION, ENCODER_REGION, MEGATRON_REGION
 
-MEGATRON_REGION = "model"
+__all__ = ["MEGATRON_REGION", "load_layout", "local_visits", "megatron_layout", "plan_for", "vlm_layout"]
 _SHARDED = {"1f1b": OneFOneB, "gpipe": GPipe, "zb-h1": ZeroBubbleH1}
 
 
@@ -46,8 +48,9 @@ def vlm_layout(vision_layers: Sequence[int], text_layers: Sequence[int], *, tran
         raise ScheduleError(f"text_decoder.pipeline_num_layers {list(text_layers)}: every stage needs a layer "
                             "when the ViT is transposed")
     return (
-        Region("vit", max(1, sum(vision_layers)), Transpose(max_in_flight=max_in_flight), trainable=vision_trainable),
-        Region("llm", sum(text_layers), OneFOneB(stages=stages, layers=tuple(text_layers))),
+        Region(ENCODER_REGION, max(1, sum(vision_layers)), Transpose(max_in_flight=max_in_flight),
+               trainable=vision_trainable),
+        Region(BACKBONE_REGION, sum(text_layers), OneFOneB(stages=stages, layers=tuple(text_layers))),
     )
 
 
@@ -109,6 +112,5 @@ def local_visits(plan: Plan, rank: int) -> list[tuple[str, int]]:
     """The (region, stage) pairs ``rank`` computes, in model order: the order in which a
     Megatron model list holds this rank's chunks."""
     order = {r.name: i for i, r in enumerate(plan.regions)}
-    seen = {(a.region, a.stage) for a in plan.programs[rank] if a.microbatch is not None
-            and a.kind.value in ("F", "B", "I", "W")}
+    seen = {(a.region, a.stage) for a in plan.programs[rank] if a.microbatch is not None and a.kind in COMPUTE}
     return sorted(seen, key=lambda rs: (order[rs[0]], rs[1]))

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Sequence
 
 from .errors import ScheduleError
+from .keys import BoundaryKey, BoundaryKind
 
 
 class Kind(str, Enum):
@@ -62,9 +63,10 @@ class Action:
         stage: the region's (virtual) pipeline stage; 0 for a replicated region.
         microbatch: the microbatch, or ``None`` for per-step collectives.
         peer: the other rank of a transfer (for pool put/get: the rank on the other side).
-        key: the shape key of a transferred tensor, ``"<region>.s<stage>:act|grad"`` naming
-            the boundary whose output (or output gradient) travels; with the microbatch it
-            fixes the tensor's shape, which varies per microbatch under packing.
+        key: the :class:`.BoundaryKey` of a transferred tensor (``"<region>.s<stage>:act|grad"``
+            naming the boundary whose output, or output gradient, travels; with the microbatch
+            it fixes the tensor's shape, which varies per microbatch under packing); ``""``
+            for computes and collectives.  Given as text it is parsed (:meth:`.BoundaryKey.parse`).
         group: the ranks of a collective.
     """
 
@@ -73,8 +75,17 @@ class Action:
     stage: int = 0
     microbatch: int | None = None
     peer: int | None = None
-    key: str = ""
+    key: BoundaryKey | str = ""
     group: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.key and not isinstance(self.key, BoundaryKey):
+            object.__setattr__(self, "key", BoundaryKey.parse(self.key))
+
+    @property
+    def carries(self) -> BoundaryKind | None:
+        """What the transferred tensor is (``key.kind``); ``None`` without a key."""
+        return self.key.kind if self.key else None
 
     @classmethod
     def from_str(cls, text: str) -> Action:
@@ -102,13 +113,17 @@ class Action:
                 + (f"`{wanted} r<peer>`" if wanted else "no peer")
             )
         group = tuple(int(r) for r in match["group"].replace(",", " ").split()) if match["group"] else ()
+        try:
+            key = BoundaryKey.parse(match["key"]) if match["key"] else ""
+        except ScheduleError as exc:
+            raise ScheduleError(f"action {text.strip()!r}: {exc}") from None
         return cls(
             kind,
             match["region"],
             int(match["stage"]),
             None if match["microbatch"] is None else int(match["microbatch"]),
             peer=None if match["peer"] is None else int(match["peer"]),
-            key=match["key"] or "",
+            key=key,
             group=group,
         )
 

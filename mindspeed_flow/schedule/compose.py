@@ -35,6 +35,7 @@ from typing import Iterator, NamedTuple, Sequence
 from .actions import Action, Kind
 from .errors import ScheduleError
 from .execution import SEMANTICS, execute
+from .keys import BoundaryKind
 from .order import Duration, Timed, merge, streams, unit_duration
 from .pairing import pair
 from .placement import Placement, Visit
@@ -131,7 +132,7 @@ def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]
     weight = Kind.BACKWARD_WEIGHT
     # every path visits the same (region, stage) sequence; only the ranks differ
     position = {(v.region, v.stage): k for k, v in enumerate(paths[0])} if paths else {}
-    keys = [(f"{v.tag}:act", f"{v.tag}:grad") for v in paths[0]] if paths else []
+    keys = [(v.key(BoundaryKind.ACT), v.key(BoundaryKind.GRAD)) for v in paths[0]] if paths else []
     # (forward, microbatch, k) -> (rank, index in its timeline, compute)
     where: dict[tuple[bool, int, int], tuple[int, int, Timed]] = {}
     for rank, timed in timeline.items():
@@ -169,7 +170,7 @@ def _transfers(timeline: dict[int, list[Timed]], paths: Sequence[Sequence[Visit]
     for m, path in enumerate(paths):  # a recomputed backward needs the region's input
         first = path[0]
         if first.backward_rank is not None:
-            key = f"{first.tag}:input"
+            key = first.key(BoundaryKind.INPUT)
             found.append(_Transfer(
                 send=Action(Kind.SEND_ACT, first.region, first.stage, m, peer=first.backward_rank, key=key),
                 recv=Action(Kind.RECV_ACT, first.region, first.stage, m, peer=first.rank, key=key),
@@ -208,7 +209,7 @@ def _assemble(
     for seq, tr in enumerate(transfers):
         if not in_one_order and tr.send.kind is Kind.SEND_ACT and tr.send.region in prefixed:
             send_slot, recv_slot = prefix[tr.sender], prefix[tr.receiver]
-            send_order = recv_order = (-1, tr.send.key.endswith(":input"), tr.send.microbatch)
+            send_order = recv_order = (-1, tr.send.key.kind is BoundaryKind.INPUT, tr.send.microbatch)
         elif not in_one_order and tr.recv.kind is Kind.RECV_GRAD and tr.recv.region in prefixed:
             send_slot, recv_slot = len(timeline[tr.sender]), tr.before
             send_order, recv_order = (2, tr.send.microbatch), (1, seq)

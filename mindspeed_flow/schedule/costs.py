@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Sequence
 
 from .actions import COLLECTIVES, Action, Kind
 from .errors import ScheduleError
+from .keys import BoundaryKind
 from .placement import Visit
 
 
@@ -134,7 +135,7 @@ class CostTable:
     def transfer_seconds(self, action: Action) -> float:
         """Time of a receive, a pool get, or a collective over its group."""
         # A transfer carries the output (or its gradient) of the region named by its key.
-        name = action.region if action.kind in COLLECTIVES else action.key.rsplit(".s", 1)[0]
+        name = action.region if action.kind in COLLECTIVES else action.key.region
         cost = self.region(name)
         if action.kind is Kind.PARAM_BROADCAST:
             return self.link.seconds(cost.param_bytes)
@@ -143,7 +144,7 @@ class CostTable:
             return self.link.seconds(2 * (n - 1) / n * cost.param_bytes)
         if action.kind is Kind.POOL_GET and self.pool is not None:
             return self.pool.seconds(cost.output_bytes)
-        if action.key.endswith(":input"):
+        if action.carries is BoundaryKind.INPUT:
             return self.link.seconds(cost.input_bytes)
         return self.link.seconds(cost.output_bytes)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .errors import ScheduleError
+from .keys import BoundaryKey, BoundaryKind
 from .regions import Region, backward_kinds
 from .seams import P2P, seam_rule
 from .skeletons import PREFIX, RECOMPUTE, SHARDED, TRANSPOSED, Skeleton
@@ -47,6 +48,10 @@ class Visit:
     @property
     def tag(self) -> str:
         return f"{self.region}.s{self.stage}"
+
+    def key(self, kind: BoundaryKind) -> BoundaryKey:
+        """The boundary key of ``kind`` at this visit (``key(ACT)``: its output)."""
+        return BoundaryKey(self.region, self.stage, kind)
 
     @property
     def backward_on(self) -> int:

@@ -8,6 +8,13 @@ from typing import Sequence
 from .errors import ScheduleError
 from .skeletons import Skeleton
 
+# The region names the project's layouts use, defined once: MindSpeed-MM's VLM split into
+# its vision encoder and its language model (:func:`.runtime.layout.vlm_layout`, the
+# decoupled layout, the scenarios), and Megatron's own layout as one region.
+ENCODER_REGION = "vit"
+BACKBONE_REGION = "llm"
+MEGATRON_REGION = "model"
+
 
 @dataclass(frozen=True)
 class Region:

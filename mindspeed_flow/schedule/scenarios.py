@@ -45,7 +45,7 @@ from .costs import CostTable, Jitter, Link, RegionCost, pack_scale
 from .errors import ScheduleError
 from .gantt import draw
 from .plan import Plan
-from .regions import Region
+from .regions import BACKBONE_REGION, ENCODER_REGION, Region
 from .simulate import SimResult, simulate
 from .skeletons import Decoupled, OneFOneB, Transpose
 from .validate import validate
@@ -86,7 +86,7 @@ def load(path: str | Path) -> dict[str, Any]:
 
 def build_regions(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> list[Region]:
     """The regions of one schedule entry: the ViT and the LLM under the entry's layout."""
-    vit, llm = _need(config, "regions", "vit"), _need(config, "regions", "llm")
+    vit, llm = _need(config, "regions", ENCODER_REGION), _need(config, "regions", BACKBONE_REGION)
     layout = schedule.get("layout")
     stages = _need(schedule, "stages")
     backbone = BACKBONES.get(schedule.get("backbone", "1f1b"))
@@ -112,9 +112,9 @@ def build_regions(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> lis
     else:
         raise ScheduleError(f"schedule {schedule.get('name')!r}: layout {layout!r} is not one of {LAYOUTS}")
     return [
-        Region("vit", _need(config, "regions", "vit", "layers"), vit_skeleton,
+        Region(ENCODER_REGION, _need(config, "regions", ENCODER_REGION, "layers"), vit_skeleton,
                trainable=vit.get("trainable", True)),
-        Region("llm", _need(config, "regions", "llm", "layers"), llm_skeleton,
+        Region(BACKBONE_REGION, _need(config, "regions", BACKBONE_REGION, "layers"), llm_skeleton,
                trainable=llm.get("trainable", True)),
     ]
 
@@ -125,7 +125,7 @@ def build_costs(config: Mapping[str, Any], schedule: Mapping[str, Any], seed: in
     it (ideal scaling): the ViT runs on ``encoder_devices_per_rank`` devices (default: a
     full rank), the LLM on ``devices_per_rank``."""
     per_rank = _need(config, "devices_per_rank")
-    devices = {"vit": schedule.get("encoder_devices_per_rank", per_rank)}
+    devices = {ENCODER_REGION: schedule.get("encoder_devices_per_rank", per_rank)}
     regions = {
         name: _region_cost(spec, seed, spec.get("forward_devices", per_rank) / devices.get(name, per_rank))
         for name, spec in _need(config, "regions").items()
@@ -137,7 +137,7 @@ def build_costs(config: Mapping[str, Any], schedule: Mapping[str, Any], seed: in
         regions=regions,
         link=_link(config.get("link", {})),
         pool=_link(config["pool"]) if "pool" in config else None,
-        microbatch_scale=pack_scale({"llm": packs}),
+        microbatch_scale=pack_scale({BACKBONE_REGION: packs}),
     )
 
 
@@ -159,7 +159,7 @@ def best_split(config: Mapping[str, Any], schedule: Mapping[str, Any]) -> Mappin
     stages), judged by the mean simulated step over the config's seeds."""
     if schedule.get("layers") != "search":
         return schedule
-    vit, llm = _need(config, "regions", "vit", "layers"), _need(config, "regions", "llm", "layers")
+    vit, llm = (_need(config, "regions", name, "layers") for name in (ENCODER_REGION, BACKBONE_REGION))
     stages = _need(schedule, "stages")
     if stages == 1:
         return {**schedule, "layers": [vit + llm]}
@@ -226,7 +226,7 @@ def _encoder_ranks(plan: Plan) -> int:
     """Ranks that compute only the ViT (its own stages or producer ranks)."""
     return sum(
         1 for program in plan.programs.values()
-        if {a.region for a in program if a.kind in COMPUTE} == {"vit"}
+        if {a.region for a in program if a.kind in COMPUTE} == {ENCODER_REGION}
     )
 
 

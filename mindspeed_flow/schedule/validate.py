@@ -28,14 +28,17 @@ eager as well.  :func:`.compose` makes programs for either.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from .actions import BACKWARDS, COLLECTIVES, COMPUTE, MATCHING_RECV, RECVS, SENDS, Action, Kind
 from .errors import ScheduleError
 from .execution import SEMANTICS, execute, explain
+from .keys import BoundaryKind
 from .pairing import describe, pair
 from .plan import Plan
 from .replicas import check_replicas
+
+ACT, GRAD, INPUT = BoundaryKind.ACT, BoundaryKind.GRAD, BoundaryKind.INPUT
 
 
 def validate(plan: Plan, *, semantics: str | None = None) -> None:
@@ -72,7 +75,7 @@ def _check_actions(plan: Plan) -> None:
             if found is None:
                 raise ScheduleError(f"{where}: region {a.region!r} has no stage {a.stage}")
             # a recomputed backward (and the input it receives) runs where the visit says
-            remote = a.kind in BACKWARDS or a.kind in RECVS and a.key.endswith(":input")
+            remote = a.kind in BACKWARDS or a.kind in RECVS and a.carries is INPUT
             placed = found[1].backward_on if remote else found[1].rank
             if placed != rank:
                 raise ScheduleError(
@@ -104,34 +107,39 @@ def _check_complete(plan: Plan) -> None:
         raise ScheduleError(f"unexpected {kind.value} {region}.s{stage} mb{m}: {reason}")
 
 
+# What a rank holds besides received tensors: a visit's forward (kept for its backward) and
+# its input gradients (kept for the weight gradients of a split backward).
+_FORWARD, _INPUT_GRADS = "forward", "input-gradient backward"
+
+
 def _check_dataflow(plan: Plan, rank: int, program: Sequence[Action]) -> None:
     """Walk one program keeping the tensors it holds: inputs must be there before use."""
-    held: set[tuple[str, int]] = set()  # (key, microbatch)
+    held: set[tuple[Hashable, int]] = set()  # (boundary key or (visit, _FORWARD | _INPUT_GRADS), microbatch)
     for i, a in enumerate(program):
         if a.kind in COLLECTIVES:
             continue
         m = a.microbatch
         k, visit = plan.visits[(m, a.region, a.stage)]
         path = plan.paths[m]
-        needs: list[str] = []
-        makes: list[str] = []
+        needs: list[Hashable] = []
+        makes: list[Hashable] = []
         if a.kind is Kind.FORWARD:
-            needs = [f"{path[k - 1].tag}:act"] if k > 0 else []
-            makes = [f"{visit.tag}:act", f"{visit.tag}:fwd"]
+            needs = [path[k - 1].key(ACT)] if k > 0 else []
+            makes = [visit.key(ACT), (visit.tag, _FORWARD)]
         elif a.kind is Kind.BACKWARD_WEIGHT:
-            needs = [f"{visit.tag}:input-grads"]
+            needs = [(visit.tag, _INPUT_GRADS)]
         elif a.kind in BACKWARDS:
-            kept = "fwd" if rank == visit.rank else "input"  # away from its forward: recomputed
-            needs = [f"{visit.tag}:{kept}"] + ([f"{visit.tag}:grad"] if k + 1 < len(path) else [])
-            makes = ([f"{path[k - 1].tag}:grad"] if k > 0 else []) + [f"{visit.tag}:input-grads"]
+            # away from its forward the backward recomputes it from the shipped input
+            kept = (visit.tag, _FORWARD) if rank == visit.rank else visit.key(INPUT)
+            needs = [kept] + ([visit.key(GRAD)] if k + 1 < len(path) else [])
+            makes = ([path[k - 1].key(GRAD)] if k > 0 else []) + [(visit.tag, _INPUT_GRADS)]
         elif a.kind in SENDS:
-            needs = [] if a.key.endswith(":input") else [a.key]  # the model's input is data
+            needs = [] if a.carries is INPUT else [a.key]  # the model's input is data
         elif a.kind in RECVS:
             makes = [a.key]
         for need in needs:
             if (need, m) not in held:
-                what = {"fwd": "forward", "input-grads": "input-gradient backward"}.get(
-                    need.rpartition(":")[2], f"[{need}]")
+                what = need[1] if isinstance(need, tuple) else f"[{need}]"
                 raise ScheduleError(
                     f"{describe(plan.programs, (rank, i))}: needs {what} of mb{m} "
                     "earlier on this rank (microbatch order broken)"
@@ -143,13 +151,13 @@ def _counterpart(plan: Plan, rank: int, action: Action) -> Action | None:
     """The other end a point-to-point transfer needs, from the microbatch's path: an
     activation leaves the visit its key names for the next one, a gradient comes back."""
     sent_as = {recv: send for send, recv in MATCHING_RECV.items()}
-    tag, _, direction = action.key.rpartition(":")
+    direction = action.carries
     path = plan.paths[action.microbatch] if 0 <= (action.microbatch or 0) < len(plan.paths) else ()
-    k = next((k for k, v in enumerate(path) if v.tag == tag), None)
-    if k is None or k + 1 >= len(path) or direction not in ("act", "grad"):
+    k = next((k for k, v in enumerate(path) if direction and v.tag == action.key.tag), None)
+    if k is None or k + 1 >= len(path) or direction not in (ACT, GRAD):
         return None
     upstream, downstream = path[k], path[k + 1]
-    sender, receiver = (upstream, downstream) if direction == "act" else (downstream, upstream)
+    sender, receiver = (upstream, downstream) if direction is ACT else (downstream, upstream)
     if action.kind in MATCHING_RECV:
         kind, other = MATCHING_RECV[action.kind], receiver
     else:
