@@ -4,14 +4,15 @@ gloo matches a receive to a send by tag, so the runtime may post a pair's messag
 order on either side.  NCCL (and HCCL on Ascend) ignore the tag: the messages from one rank to
 another match in posting order.  There the plan runs as validated only if, for every ordered
 pair ``(src, dst)``, the order in which ``src`` posts its sends to ``dst`` equals the order in
-which ``dst`` posts its receives from ``src`` - as the executor posts them
-(:func:`.sends.primitive_ops`: ``BCAST`` / ``REDUCE`` expanded into their messages, a receive
-posted when its action runs, never ahead of time).  Pool puts and gets are not messages.
+which ``dst`` posts its receives from ``src`` - as the executor posts them: the plan's
+lowering (:mod:`.lowering`, ``BCAST`` / ``REDUCE`` expanded into their messages, a receive
+posted when its operation runs, never ahead of time).  Pool puts and gets are not messages.
 
 The runtime can relax the condition by giving each message *channel* its own communicator
 (``RuntimeOptions.channel_groups``): a channel is the plan key a transfer travels under (a
 region boundary's activations, its gradients, a parameter broadcast or gradient reduce of a
-region - the key the executor numbers tags by, without the microbatch).  Messages of
+region - :attr:`.Message.channel`, the key the executor numbers tags by, without the
+microbatch).  Messages of
 different channels then never meet in one FIFO, so the order must agree only per
 ``(src, dst, channel)``, which the validator's per-key pairing already asks for.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from ..schedule.errors import ScheduleError
 from ..schedule.plan import Plan
 from .errors import where
-from .sends import RECV, SEND, primitive_ops
+from .lowering import Lowered, Op, OpKind, as_lowered
 
 TAG_MATCHING_BACKENDS = frozenset({"gloo"})
 
@@ -53,42 +54,31 @@ def needs_fifo_order(backend: str) -> bool:
     return str(backend).lower() not in TAG_MATCHING_BACKENDS
 
 
-def channel_key(channel: tuple) -> str:
-    """The channel of a message (an :class:`.sends.Op` channel): the key the executor tags it
-    by, without the microbatch - ``"vit.s0:act"``, or ``"<kind>:<region>"`` for both
-    directions of a parameter broadcast / gradient reduce."""
-    if len(channel) == 4:  # (src, dst, key, microbatch)
-        return channel[2]
-    kind, region = channel[2]
-    return f"{kind.removesuffix('-back')}:{region}"
+def _messages(plan: Plan | Lowered) -> list[tuple[int, Op, str]]:
+    """Every point-to-point message end of ``plan``'s lowering: (rank, SEND or RECV op, where)."""
+    return [(rank, op, where(rank, op.index, op.action)) for rank, op in as_lowered(plan).messages()]
 
 
-def _messages(plan: Plan) -> list[tuple[int, object, tuple, str]]:
-    """Every point-to-point message end of ``plan``: (rank, SEND | RECV, op channel, where)."""
-    return [(rank, op.what, op.channel, where(rank, op.index, plan.programs[rank][op.index]))
-            for rank in plan.programs for op in primitive_ops(plan, rank)
-            if op.what in (SEND, RECV) and op.channel[0] != "pool"]
-
-
-def channel_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+def channel_groups(plan: Plan | Lowered) -> list[tuple[str, tuple[int, ...]]]:
     """The communicators a plan needs when each channel gets its own: ``(channel, plan ranks
     that use it)``, sorted by channel - the same list on every rank, so every rank creates
     the groups in the same order."""
     users: dict[str, set[int]] = {}
-    for _, _, channel, _ in _messages(plan):
-        users.setdefault(channel_key(channel), set()).update(channel[:2])
+    for _, op, _ in _messages(plan):
+        users.setdefault(op.message.channel, set()).update((op.message.src, op.message.dst))
     return [(key, tuple(sorted(ranks))) for key, ranks in sorted(users.items())]
 
 
-def fifo_mismatches(plan: Plan, per_channel: bool = False) -> list[Mismatch]:
+def fifo_mismatches(plan: Plan | Lowered, per_channel: bool = False) -> list[Mismatch]:
     """Per ordered pair of ranks (and per channel, with ``per_channel``: one communicator per
     channel), the first message where the sender's posting order and the receiver's differ;
     empty if the plan runs unchanged on a backend that ignores tags."""
     sends: dict[tuple, list[tuple]] = {}
     recvs: dict[tuple, list[tuple]] = {}
-    for _, what, channel, place in _messages(plan):
-        fifo = (channel[0], channel[1], channel_key(channel) if per_channel else None)
-        (sends if what == SEND else recvs).setdefault(fifo, []).append((channel, place))
+    for _, op, place in _messages(plan):
+        message = op.message
+        fifo = (message.src, message.dst, str(message.channel) if per_channel else None)
+        (sends if op.kind is OpKind.SEND else recvs).setdefault(fifo, []).append((message, place))
     found = []
     for src, dst, key in sorted(sends.keys() | recvs.keys(), key=lambda f: (f[0], f[1], f[2] or "")):
         posted, awaited = sends.get((src, dst, key), []), recvs.get((src, dst, key), [])
@@ -101,7 +91,7 @@ def fifo_mismatches(plan: Plan, per_channel: bool = False) -> list[Mismatch]:
     return found
 
 
-def check_posting_order(plan: Plan, backend: str, per_channel: bool = False) -> None:
+def check_posting_order(plan: Plan | Lowered, backend: str, per_channel: bool = False) -> None:
     """Refuse, before the first step, a plan whose messages would mismatch on ``backend``
     (nothing to check on gloo, which matches by tag; ``per_channel``: each channel has its
     own communicator).  Raises :class:`.ScheduleError` naming every disagreeing pair and its

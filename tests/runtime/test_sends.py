@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from mindspeed_flow.runtime import Executor, RuntimeOptions
-from mindspeed_flow.runtime.sends import RECV, SEND, deadlock_with_bound, plan_send_bound, primitive_ops
+from mindspeed_flow.runtime.lowering import BLOCKING, OpKind, lower
+from mindspeed_flow.runtime.sends import deadlock_with_bound, plan_send_bound
 from mindspeed_flow.schedule import OneFOneB, Region, ScheduleError, Transpose, compose, validate
 
 
@@ -22,23 +23,23 @@ def _vlm(window: int | None, ranks: int = 4, microbatches: int = 8, semantics: s
 def _random_peak(plan, rng: random.Random) -> int:
     """The largest span of live sends one random interleaving of the unbounded replay
     reaches (a rank's send stays live until its receive is posted, in posting order)."""
-    programs = {r: primitive_ops(plan, r) for r in plan.programs}
+    programs = lower(plan).programs
     pc = {r: 0 for r in programs}
     live = {r: [] for r in programs}
     posted, received, peak = set(), set(), 0
     while True:
         ready = [r for r, ops in programs.items() if pc[r] < len(ops)
-                 and not (ops[pc[r]].what == RECV and ops[pc[r]].channel not in posted)]
+                 and not (ops[pc[r]].kind in BLOCKING and ops[pc[r]].message not in posted)]
         if not ready:
             break
         r = rng.choice(ready)
         op = programs[r][pc[r]]
-        if op.what == RECV:
-            received.add(op.channel)
-        elif op.what != "compute":
-            posted.add(op.channel)
-        if op.what == SEND:
-            live[r].append(op.channel)
+        if op.kind in BLOCKING:
+            received.add(op.message)
+        elif op.message is not None:
+            posted.add(op.message)
+        if op.kind is OpKind.SEND:
+            live[r].append(op.message)
             peak = max(peak, len(live[r]))
         pc[r] += 1
         for s in programs:
