@@ -17,7 +17,7 @@ schedules: Megatron-style (best split), DistTrain-like, Mpipe <transpose, 1f1b> 
 Nothing here is canned: every number printed is computed in this run.  Charts go to
 ``outputs/selftest/`` (``--out``).  Every check is the package's (the tiny GPT of
 :mod:`mindspeed_flow.adapters.megatron.tiny_gpt` on the ranks of :mod:`mindspeed_flow.spawn`,
-:mod:`mindspeed_flow.packed_gpt_check`); nothing of ``tests/`` is imported.  The workload and
+:mod:`mindspeed_flow.train.packed_gpt_check`); nothing of ``tests/`` is imported.  The workload and
 simulation configs are the checkout's (``configs/``), so this script runs from a source checkout.
 The main job, which trains a model with every feature on against the baseline, is
 ``mindspeed-flow train`` (``scripts/demo.sh``).
@@ -114,10 +114,10 @@ def check_fused_attention() -> None:
     import subprocess
 
     environ = {k: v for k, v in os.environ.items() if k != "MINDSPEED_FLOW_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.packed_gpt_check"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.train.packed_gpt_check"], capture_output=True,
                           text=True, timeout=300, env=environ)
     if proc.returncode != 0:
-        raise RuntimeError(f"mindspeed_flow.packed_gpt_check failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise RuntimeError(f"mindspeed_flow.train.packed_gpt_check failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     print("megatron-core GPTModel (RoPE, GQA), fused_attn enabled, one THD pack of samples "
           "of 5, 1, 17 and 9 tokens against each sample alone:")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from subprocess_utils import last_json, run_python
 
-GPT_SCRIPT = "from mindspeed_flow.packed_gpt_check import main; main()"  # what the self-test runs
+GPT_SCRIPT = "from mindspeed_flow.train.packed_gpt_check import main; main()"  # what the self-test runs
 
 SCRIPT = r'''
 import json

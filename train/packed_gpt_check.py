@@ -1,8 +1,9 @@
 """A packed batch through megatron-core's ``GPTModel`` with the ``fused_attn`` patch on, against
 the same samples run one by one: the check behind ``mindspeed-flow selftest``'s ``attention``
-section and of ``tests/adapters/megatron/test_attention.py``.
+section and of ``tests/adapters/megatron/test_attention.py``.  It lives in ``train/``, the layer
+above ``patches/`` (it enables the ``fused_attn`` patches itself), not in the core.
 
-Run it in a fresh interpreter (``python -m mindspeed_flow.packed_gpt_check``):
+Run it in a fresh interpreter (``python -m mindspeed_flow.train.packed_gpt_check``):
 the patch must be enabled before megatron is imported, and its import hook and the CPU shims
 must not leak into anything else.  It prints one JSON line: the logits' shape, the largest
 |packed - alone| logit difference and the largest relative parameter-gradient difference.
