@@ -20,3 +20,8 @@ class FlowError(Exception):
 
 class RankFailed(FlowError, RuntimeError):
     """A rank raised, died or ran past the time limit; the message holds its traceback."""
+
+
+class YamlReadError(FlowError, ValueError):
+    """A YAML file that does not match its dataclass (:mod:`mindspeed_flow.typed_yaml`'s
+    default; each reader passes its own package's class)."""

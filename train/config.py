@@ -9,14 +9,13 @@ Unset keys keep the defaults below, which are the demo's (``configs/train/demo.y
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from mindspeed_flow.train.errors import ConfigError
 from mindspeed_flow.train.model import ModelConfig
+from mindspeed_flow.typed_yaml import build, read_yaml
 
 POOL_BACKENDS = ("local", "shm", "torch")
 # layout keys that count ranks or microbatches: each must be >= 1 (checked at load, naming the key)
@@ -118,22 +117,13 @@ def load_config(path: str | Path, **overrides: Any) -> TrainConfig:
     """Read ``path``; ``overrides`` (``steps=3``, ``report_dir=...``, ``world_size=2``)
     replace top-level fields, ``world_size`` the layout's."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config ({exc.strerror or exc})") from exc
-    import yaml
-
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    raw = read_yaml(path, error=ConfigError, what="the config")
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     world_size = overrides.pop("world_size", None)
-    cfg = _build(TrainConfig, raw, path, "")
+    cfg = build(TrainConfig, raw, path=path, error=ConfigError)
     if world_size is not None:
         cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, world_size=world_size))
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
@@ -174,44 +164,6 @@ def check_resume(cfg: TrainConfig, path: str | Path = "<config>") -> None:
     if not 0 < cfg.resume_at < cfg.steps:
         raise ConfigError(f"{path}: resume_at: must be between 1 and steps - 1 = {cfg.steps - 1} for the resume "
                           f"check, got {cfg.resume_at} (set resume_at, or pass --no-resume-check)")
-
-
-def _build(cls: type, raw: Any, path: Path, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "the top level"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: {where}: expected a mapping, got {type(raw).__name__} {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{path}: unknown key {prefix}{unknown[0]} (known in {where}: {', '.join(fields)})")
-    hints = typing.get_type_hints(cls)
-    values = {name: _value(hints[name], value, path, f"{prefix}{name}") for name, value in raw.items()}
-    return cls(**values)
-
-
-def _value(hint: Any, value: Any, path: Path, key: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, path, key + ".")
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return _value(hint, value, path, key)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{path}: {key}: expected a list of {len(args)} numbers, got {value!r}")
-        return tuple(_value(a, v, path, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{path}: {key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
-    return value
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..typed_yaml import read_yaml
 from .errors import AllocatorError
 
 
@@ -29,16 +30,15 @@ def write_data(path: str | Path, data: dict[str, Any]) -> Path:
 def read_data(path: str | Path) -> Any:
     """The parsed contents of a JSON (``.json``) or YAML file; a file that does not parse
     is named with the parser's line and column."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise AllocatorError(f"{path} does not exist")
-    text = path.read_text()
+    if path.suffix != ".json":
+        return read_yaml(path, error=AllocatorError)
     try:
-        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise AllocatorError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise AllocatorError(f"{path}: not valid JSON: {exc}") from None
 
 
 def field_values(cls: type, data: Any, where: str) -> dict[str, Any]:

@@ -8,10 +8,11 @@ tiny model transfer to a large one by their work per rank (see :mod:`.proxy`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, get_type_hints
+from typing import Any, Mapping, Sequence
 
+from ..typed_yaml import Wording, build
 from .errors import AllocatorError
 from .files import read_data
 
@@ -175,33 +176,19 @@ class Workload:
             raise AllocatorError("workload: global_batch, encoder_micro_batch and encoder_in_flight must be >= 1")
 
 
-def _check_type(want: Any, value: Any, where: str) -> None:
-    """A YAML value of the field's type (an int where a float is asked, a list for a tuple)."""
-    if want is float:
-        ok, name = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-    elif want in (int, bool, str):
-        ok, name = isinstance(value, want) and (want is bool or not isinstance(value, bool)), want.__name__
-    else:
-        ok, name = isinstance(value, (list, tuple)), "a list"
-    if not ok:
-        raise AllocatorError(f"{where}: expected {name}, got {value!r}")
+class _Wording(Wording):
+    """The allocator's sentences for unknown keys and wrong types (``allocator plan``'s
+    error line; its test pins them)."""
+
+    def unknown(self, where: str, unknown: Sequence[str], known: Sequence[str]) -> str:
+        return f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+
+    def wrong_type(self, key: str, expected: str, value: Any) -> str:
+        return f"{key}: expected {expected}, got {value!r}"
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, Mapping):
-        raise AllocatorError(f"{where}: expected a mapping, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise AllocatorError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    for key, value in data.items():
-        _check_type(get_type_hints(cls)[key], value, f"{where}.{key}")
-    try:
-        return cls(**data)
-    except TypeError as exc:  # a required key is missing
-        raise AllocatorError(f"{where}: {exc}") from None
-    except AllocatorError as exc:
-        raise AllocatorError(f"{where}: {exc}") from None
+def _build(cls: type, data: Any, path: Path, where: str) -> Any:
+    return build(cls, data, path=path, where=where, error=AllocatorError, wording=_Wording())
 
 
 @dataclass(frozen=True)
@@ -229,11 +216,11 @@ def load_config(path: str | Path) -> AllocatorConfig:
         raise AllocatorError(f"{path}: model needs 'encoder' and 'backbone'")
     return AllocatorConfig(
         model=ModelSpec(
-            encoder=_build(ModuleSpec, model["encoder"], f"{path}: model.encoder"),
-            backbone=_build(ModuleSpec, model["backbone"], f"{path}: model.backbone"),
+            encoder=_build(ModuleSpec, model["encoder"], path, "model.encoder"),
+            backbone=_build(ModuleSpec, model["backbone"], path, "model.backbone"),
             name=str(model.get("name", path.stem)),
         ),
-        cluster=_build(ClusterSpec, data["cluster"], f"{path}: cluster"),
-        workload=_build(Workload, data["workload"], f"{path}: workload"),
+        cluster=_build(ClusterSpec, data["cluster"], path, "cluster"),
+        workload=_build(Workload, data["workload"], path, "workload"),
         profile=(path.parent / data["profile"]).resolve(),
     )

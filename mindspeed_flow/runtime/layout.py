@@ -7,14 +7,16 @@ visits to one of its model chunks, in model order (:func:`local_visits`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from ..schedule import (GPipe, Interleaved1F1B, OneFOneB, Region, ScheduleError, Transpose, ZeroBubbleH1,
                         compose)
 from ..schedule.actions import COMPUTE
 from ..schedule.plan import Plan
 from ..schedule.regions import BACKBONE_REGION, ENCODER_REGION, MEGATRON_REGION
+from ..typed_yaml import Wording, build, read_yaml
 
 __all__ = ["MEGATRON_REGION", "load_layout", "local_visits", "megatron_layout", "plan_for", "vlm_layout"]
 _SHARDED = {"1f1b": OneFOneB, "gpipe": GPipe, "zb-h1": ZeroBubbleH1}
@@ -64,43 +66,54 @@ def load_layout(path: str | Path, stages: int) -> tuple[Region, ...]:
 
     Errors name the file and the region.
     """
-    import yaml
-
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ScheduleError(f"{path}: cannot read the schedule layout: {exc}") from exc
+    doc = read_yaml(path, error=ScheduleError, what="the schedule layout")
     entries = (doc or {}).get("regions") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ScheduleError(f"{path}: expected a non-empty `regions:` list")
     return tuple(_region(entry, i, path, stages) for i, entry in enumerate(entries))
 
 
+@dataclass(frozen=True)
+class _RegionEntry:
+    """One entry of ``regions:`` as written (``stages``: the job's pipeline size when unset)."""
+
+    name: str
+    layers: int
+    skeleton: str = "1f1b"
+    trainable: bool = True
+    stages: Optional[int] = None
+    chunks: int = 2
+    max_in_flight: Optional[int] = None
+    pipeline_num_layers: Optional[tuple[int, ...]] = None
+
+
+class _Wording(Wording):
+    """The layout's sentence for unknown keys (its test pins it)."""
+
+    def unknown(self, where: str, unknown: Sequence[str], known: Sequence[str]) -> str:
+        return f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}"
+
+
 def _region(entry: Any, i: int, path: Path, stages: int) -> Region:
-    where = f"{path}: regions[{i}]"
     if not isinstance(entry, dict) or "name" not in entry or "layers" not in entry:
-        raise ScheduleError(f"{where}: needs at least `name` and `layers`")
-    known = {"name", "layers", "skeleton", "trainable", "stages", "chunks", "max_in_flight", "pipeline_num_layers"}
-    unknown = set(entry) - known
-    if unknown:
-        raise ScheduleError(f"{where} ({entry['name']}): unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    kind = str(entry.get("skeleton", "1f1b")).lower()
-    split = entry.get("pipeline_num_layers")
-    layers = tuple(split) if split is not None else None
-    n = int(entry.get("stages", stages))
+        raise ScheduleError(f"{path}: regions[{i}]: needs at least `name` and `layers`")
+    where = f"regions[{i}] ({entry['name']})"
+    spec = build(_RegionEntry, entry, path=path, where=where, error=ScheduleError, wording=_Wording())
+    kind, layers = spec.skeleton.lower(), spec.pipeline_num_layers
+    n = stages if spec.stages is None else spec.stages
     try:
         if kind in _SHARDED:
             skeleton = _SHARDED[kind](stages=n, layers=layers)
         elif kind == "interleaved":
-            skeleton = Interleaved1F1B(stages=n, layers=layers, chunks_per_rank=int(entry.get("chunks", 2)))
+            skeleton = Interleaved1F1B(stages=n, layers=layers, chunks_per_rank=spec.chunks)
         elif kind == "transpose":
-            skeleton = Transpose(max_in_flight=entry.get("max_in_flight"))
+            skeleton = Transpose(max_in_flight=spec.max_in_flight)
         else:
             raise ScheduleError(f"unknown skeleton {kind!r}: 1f1b, gpipe, zb-h1, interleaved or transpose")
-        return Region(str(entry["name"]), int(entry["layers"]), skeleton, trainable=bool(entry.get("trainable", True)))
+        return Region(spec.name, spec.layers, skeleton, trainable=spec.trainable)
     except (ScheduleError, TypeError, ValueError) as exc:
-        raise ScheduleError(f"{where} ({entry['name']}): {exc}") from exc
+        raise ScheduleError(f"{path}: {where}: {exc}") from exc
 
 
 def plan_for(regions: Sequence[Region], num_microbatches: int) -> Plan:
