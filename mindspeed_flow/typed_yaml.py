@@ -17,8 +17,9 @@ walk is written once:
   :class:`~mindspeed_flow.errors.FlowError`); a refusal raised by the dataclass itself
   (``__post_init__``) gets the file and the key in front.
 
-The readers' messages differ where their tests pin them: a caller passes a :class:`Wording`
-subclass for those sentences; the checks stay here.
+The sentences are the same for every reader (``unknown key data.capcity (known in data: ...)``,
+``cluster.devices: expected int, got str 'eight'``), so a user meets one style of refusal
+whichever file is wrong.
 """
 
 from __future__ import annotations
@@ -27,38 +28,20 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Mapping, TypeVar
 
 from .errors import YamlReadError
 
 T = TypeVar("T")
-__all__ = ["Wording", "YamlReadError", "build", "read_yaml"]
+__all__ = ["YamlReadError", "build", "read_yaml"]
 
 
-class Wording:
-    """The sentences of a refusal (without the file, which :func:`build` puts in front).
-
-    ``where`` is the dotted key of the mapping being read (``""`` at the top level); the
-    default sentences are the job config's.  Override a method to keep another reader's
-    wording."""
-
-    def place(self, where: str) -> str:
-        return where or "the top level"
-
-    def not_mapping(self, where: str, value: Any) -> str:
-        return f"{self.place(where)}: expected a mapping, got {type(value).__name__} {value!r}"
-
-    def unknown(self, where: str, unknown: Sequence[str], known: Sequence[str]) -> str:
-        return f"unknown key {child(where, unknown[0])} (known in {self.place(where)}: {', '.join(known)})"
-
-    def missing(self, where: str, missing: Sequence[str]) -> str:
-        return f"missing key {child(where, missing[0])} (required in {self.place(where)}: {', '.join(missing)})"
-
-    def wrong_type(self, key: str, expected: str, value: Any) -> str:
-        return f"{key}: expected {expected}, got {type(value).__name__} {value!r}"
+def _place(where: str) -> str:
+    return where or "the top level"
 
 
-WORDING = Wording()
+def _wrong_type(key: str, expected: str, value: Any) -> str:
+    return f"{key}: expected {expected}, got {type(value).__name__} {value!r}"
 
 
 def child(where: str, name: str) -> str:
@@ -87,43 +70,40 @@ def read_yaml(path: str | Path, *, error: type[Exception] = YamlReadError, what:
         raise error(f"{path}: {lead}not valid YAML: {exc}") from None
 
 
-def build(cls: type[T], data: Any, *, path: str | Path, where: str = "", error: type[Exception] = YamlReadError,
-          wording: Wording = WORDING) -> T:
+def build(cls: type[T], data: Any, *, path: str | Path, where: str = "", error: type[Exception] = YamlReadError) -> T:
     """An instance of dataclass ``cls`` from the mapping ``data`` read from ``path`` at key
     ``where``; unset fields keep their defaults.  Refusals are ``error(message)``."""
-    reader = _Reader(Path(path), error, wording)
-    return reader.build(cls, data, where)
+    return _Reader(Path(path), error).build(cls, data, where)
 
 
 class _Reader:
-    """One file's walk: where the messages go and in which words."""
+    """One file's walk: which file the refusals name and which class they are raised as."""
 
-    def __init__(self, path: Path, error: type[Exception], wording: Wording) -> None:
+    def __init__(self, path: Path, error: type[Exception]) -> None:
         self.path = path
         self.error = error
-        self.wording = wording
 
     def refuse(self, message: str) -> Exception:
         return self.error(f"{self.path}: {message}")
 
     def build(self, cls: type, data: Any, where: str) -> Any:
         if not isinstance(data, Mapping):
-            raise self.refuse(self.wording.not_mapping(where, data))
+            raise self.refuse(f"{_place(where)}: expected a mapping, got {type(data).__name__} {data!r}")
         fields = dataclasses.fields(cls)
         known = [f.name for f in fields]
         unknown = sorted(str(key) for key in set(data) - set(known))
         if unknown:
-            raise self.refuse(self.wording.unknown(where, unknown, known))
+            raise self.refuse(f"unknown key {child(where, unknown[0])} (known in {_place(where)}: {', '.join(known)})")
         missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING]
         if missing:
-            raise self.refuse(self.wording.missing(where, missing))
+            raise self.refuse(f"missing key {child(where, missing[0])} (required in {_place(where)}: {', '.join(missing)})")
         hints = typing.get_type_hints(cls)
         values = {name: self.value(hints[name], value, child(where, name)) for name, value in data.items()}
         try:
             return cls(**values)
         except self.error as exc:  # the dataclass's own check (``__post_init__``)
-            raise self.refuse(f"{self.wording.place(where)}: {exc}") from None
+            raise self.refuse(f"{_place(where)}: {exc}") from None
 
     def value(self, hint: Any, value: Any, key: str) -> Any:
         if dataclasses.is_dataclass(hint):
@@ -143,7 +123,7 @@ class _Reader:
         if hint not in (int, bool, str):
             raise TypeError(f"typed_yaml cannot read a field of type {hint!r} ({key})")
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-            raise self.refuse(self.wording.wrong_type(key, hint.__name__, value))
+            raise self.refuse(_wrong_type(key, hint.__name__, value))
         return value
 
     def tuple(self, args: tuple, value: Any, key: str) -> tuple:
@@ -152,7 +132,7 @@ class _Reader:
         if not isinstance(value, (list, tuple)) or len(value) != len(items):
             numbers = all(a in (int, float) for a in items)
             expected = "a list" if variadic else f"a list of {len(items)} {'numbers' if numbers else 'values'}"
-            raise self.refuse(self.wording.wrong_type(key, expected, value))
+            raise self.refuse(_wrong_type(key, expected, value))
         return tuple(self.value(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(items, value)))
 
     def number(self, value: Any, key: str) -> float:
@@ -163,4 +143,4 @@ class _Reader:
                 return float(value)
             except ValueError:
                 pass
-        raise self.refuse(self.wording.wrong_type(key, "a number", value))
+        raise self.refuse(_wrong_type(key, "a number", value))

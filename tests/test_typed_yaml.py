@@ -11,7 +11,7 @@ from typing import Optional
 import pytest
 
 from mindspeed_flow.errors import FlowError
-from mindspeed_flow.typed_yaml import Wording, YamlReadError, build, read_yaml
+from mindspeed_flow.typed_yaml import YamlReadError, build, read_yaml
 
 
 class PlantedError(FlowError, ValueError):
@@ -95,12 +95,3 @@ def test_read_yaml_names_the_file(tmp_path):
         read_yaml(tmp_path / "absent.yaml")
     path.write_text("")
     assert read_yaml(path) is None
-
-
-def test_a_reader_keeps_its_own_wording(tmp_path):
-    class Terse(Wording):
-        def unknown(self, where, unknown, known):
-            return f"{where}: unknown key(s) {', '.join(unknown)}"
-
-    with pytest.raises(YamlReadError, match=r"x\.yaml: inner: unknown key\(s\) a, b$"):
-        build(Outer, {"inner": {"size": 1, "b": 0, "a": 0}}, path=tmp_path / "x.yaml", wording=Terse())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..typed_yaml import Wording, build
+from ..typed_yaml import build
 from .errors import AllocatorError
 from .files import read_data
 
@@ -176,19 +176,8 @@ class Workload:
             raise AllocatorError("workload: global_batch, encoder_micro_batch and encoder_in_flight must be >= 1")
 
 
-class _Wording(Wording):
-    """The allocator's sentences for unknown keys and wrong types (``allocator plan``'s
-    error line; its test pins them)."""
-
-    def unknown(self, where: str, unknown: Sequence[str], known: Sequence[str]) -> str:
-        return f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
-
-    def wrong_type(self, key: str, expected: str, value: Any) -> str:
-        return f"{key}: expected {expected}, got {value!r}"
-
-
 def _build(cls: type, data: Any, path: Path, where: str) -> Any:
-    return build(cls, data, path=path, where=where, error=AllocatorError, wording=_Wording())
+    return build(cls, data, path=path, where=where, error=AllocatorError)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from ..schedule import (GPipe, Interleaved1F1B, OneFOneB, Region, ScheduleError,
 from ..schedule.actions import COMPUTE
 from ..schedule.plan import Plan
 from ..schedule.regions import BACKBONE_REGION, ENCODER_REGION, MEGATRON_REGION
-from ..typed_yaml import Wording, build, read_yaml
+from ..typed_yaml import build, read_yaml
 
 __all__ = ["MEGATRON_REGION", "load_layout", "local_visits", "megatron_layout", "plan_for", "vlm_layout"]
 _SHARDED = {"1f1b": OneFOneB, "gpipe": GPipe, "zb-h1": ZeroBubbleH1}
@@ -88,18 +88,11 @@ class _RegionEntry:
     pipeline_num_layers: Optional[tuple[int, ...]] = None
 
 
-class _Wording(Wording):
-    """The layout's sentence for unknown keys (its test pins it)."""
-
-    def unknown(self, where: str, unknown: Sequence[str], known: Sequence[str]) -> str:
-        return f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}"
-
-
 def _region(entry: Any, i: int, path: Path, stages: int) -> Region:
     if not isinstance(entry, dict) or "name" not in entry or "layers" not in entry:
         raise ScheduleError(f"{path}: regions[{i}]: needs at least `name` and `layers`")
     where = f"regions[{i}] ({entry['name']})"
-    spec = build(_RegionEntry, entry, path=path, where=where, error=ScheduleError, wording=_Wording())
+    spec = build(_RegionEntry, entry, path=path, where=where, error=ScheduleError)
     kind, layers = spec.skeleton.lower(), spec.pipeline_num_layers
     n = stages if spec.stages is None else spec.stages
     try:

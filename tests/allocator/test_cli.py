@@ -44,7 +44,7 @@ def test_bad_config_names_file_and_key(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(CONFIG.read_text().replace("heads: 4,", "headz: 4,"))
     assert cli.main(["plan", str(bad)]) == 1
-    assert "bad.yaml: model.encoder: unknown key(s) headz" in capsys.readouterr().err
+    assert "bad.yaml: unknown key model.encoder.headz (known in model.encoder: " in capsys.readouterr().err
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: {encoder: [1, 2\ncluster: x\n")
     assert cli.main(["plan", str(broken)]) == 1  # an error line, not a traceback
@@ -53,7 +53,7 @@ def test_bad_config_names_file_and_key(tmp_path, capsys):
     typo = tmp_path / "typo.yaml"
     typo.write_text(CONFIG.read_text().replace("devices: 8", "devices: eight"))
     assert cli.main(["plan", str(typo)]) == 1
-    assert "typo.yaml: cluster.devices: expected int, got 'eight'" in capsys.readouterr().err
+    assert "typo.yaml: cluster.devices: expected int, got str 'eight'" in capsys.readouterr().err
 
 
 def test_schedule_plan_actions_keep_their_route():

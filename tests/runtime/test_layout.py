@@ -39,7 +39,7 @@ def test_yaml_layout(tmp_path):
     ("regions: []\n", "expected a non-empty `regions:` list"),
     ("regions:\n  - {name: llm}\n", r"regions\[0\]: needs at least `name` and `layers`"),
     ("regions:\n  - {name: llm, layers: 2, skeleton: pipedream}\n", r"regions\[0\] \(llm\): unknown skeleton 'pipedream'"),
-    ("regions:\n  - {name: llm, layers: 2, stage: 2}\n", r"regions\[0\] \(llm\): unknown keys \['stage'\]"),
+    ("regions:\n  - {name: llm, layers: 2, stage: 2}\n", r"unknown key regions\[0\] \(llm\)\.stage \(known in regions\[0\] \(llm\): name, "),
     ("regions:\n  - {name: llm, layers: 2, pipeline_num_layers: [1, 1, 1]}\n", r"regions\[0\] \(llm\): .*3 entries"),
     ("regions: [\n", "cannot read the schedule layout"),
 ])
