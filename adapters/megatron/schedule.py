@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 from mindspeed_flow.activation import flow_config
 from mindspeed_flow.adapters.errors import ScheduleConflict
 from mindspeed_flow.runtime import Binding, Executor, LossRules, RuntimeOptions
-from mindspeed_flow.runtime.layout import local_visits, megatron_layout, plan_for
+from mindspeed_flow.runtime.layout import load_runtime_options, local_visits, megatron_layout, plan_for
 from mindspeed_flow.schedule import Region
 
 log = logging.getLogger("mindspeed_flow.schedule")
@@ -256,32 +256,11 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
     return from_mindspeed_mm
 
 
-RUNTIME_KEYS = ("timeout_s", "abort_poll_s", "max_pending_sends")
-
-
 def options_from_args(args: Any) -> RuntimeOptions | None:
-    """The ``runtime:`` section of ``--flow-schedule-config`` (``timeout_s``: how long a
-    wait may take before the step fails naming the action; ``abort_poll_s``;
-    ``max_pending_sends``), or ``None`` when the file has none."""
+    """The ``runtime:`` section of ``--flow-schedule-config`` (:func:`~mindspeed_flow.runtime.layout.load_runtime_options`),
+    or ``None`` without a layout file or without that section."""
     path = layout_path(args)
-    if not path:
-        return None
-    import yaml
-
-    from mindspeed_flow.runtime import WaitPolicy
-
-    doc = yaml.safe_load(open(path)) or {}
-    section = doc.get("runtime") if isinstance(doc, dict) else None
-    if section is None:
-        return None
-    unknown = set(section) - set(RUNTIME_KEYS) if isinstance(section, dict) else {"(not a mapping)"}
-    if unknown:
-        raise ValueError(f"{path}: runtime: unknown keys {sorted(unknown)}; known: {list(RUNTIME_KEYS)}")
-    defaults = WaitPolicy()
-    wait = WaitPolicy(timeout_s=float(section.get("timeout_s", defaults.timeout_s)),
-                      abort_poll_s=float(section.get("abort_poll_s", defaults.abort_poll_s)))
-    bound = section.get("max_pending_sends")
-    return RuntimeOptions(wait=wait, max_pending_sends=None if bound is None else int(bound))
+    return load_runtime_options(path) if path else None
 
 
 def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -17,6 +17,8 @@ from ..schedule.actions import COMPUTE
 from ..schedule.plan import Plan
 from ..schedule.regions import BACKBONE_REGION, ENCODER_REGION, MEGATRON_REGION
 from ..typed_yaml import build, read_yaml
+from .executor import RuntimeOptions
+from .transport import WaitPolicy
 
 __all__ = ["MEGATRON_REGION", "load_layout", "local_visits", "megatron_layout", "plan_for", "vlm_layout"]
 _SHARDED = {"1f1b": OneFOneB, "gpipe": GPipe, "zb-h1": ZeroBubbleH1}
@@ -72,6 +74,33 @@ def load_layout(path: str | Path, stages: int) -> tuple[Region, ...]:
     if not isinstance(entries, list) or not entries:
         raise ScheduleError(f"{path}: expected a non-empty `regions:` list")
     return tuple(_region(entry, i, path, stages) for i, entry in enumerate(entries))
+
+
+@dataclass(frozen=True)
+class _RuntimeSection:
+    """The layout file's optional ``runtime:`` section as written (unset: the defaults of
+    :class:`~.transport.WaitPolicy` and the plan's own send bound)."""
+
+    timeout_s: Optional[float] = None
+    abort_poll_s: Optional[float] = None
+    max_pending_sends: Optional[int] = None
+
+
+def load_runtime_options(path: str | Path) -> Optional[RuntimeOptions]:
+    """The ``runtime:`` section of a layout file (``timeout_s``: how long a wait may take
+    before the step fails naming the action; ``abort_poll_s``; ``max_pending_sends``), or
+    ``None`` when the file has none.  Read with the same reader as the regions, so a typo
+    or a wrong type is refused naming the file and the key."""
+    path = Path(path)
+    doc = read_yaml(path, error=ScheduleError, what="the schedule layout")
+    section = doc.get("runtime") if isinstance(doc, dict) else None
+    if section is None:
+        return None
+    spec = build(_RuntimeSection, section, path=path, where="runtime", error=ScheduleError)
+    defaults = WaitPolicy()
+    wait = WaitPolicy(timeout_s=defaults.timeout_s if spec.timeout_s is None else spec.timeout_s,
+                      abort_poll_s=defaults.abort_poll_s if spec.abort_poll_s is None else spec.abort_poll_s)
+    return RuntimeOptions(wait=wait, max_pending_sends=spec.max_pending_sends)
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ def test_runtime_section_sets_the_fault_timeout_and_send_bound(tmp_path):
         options = adapter.SETTINGS.options
         assert (options.wait.timeout_s, options.wait.abort_poll_s, options.max_pending_sends) == (7.5, 0.25, 3)
         config.write_text("regions:\n  - {name: llm, layers: 4}\nruntime: {timeout: 7.5}\n")
-        with pytest.raises(ValueError, match=rf"{config}: runtime: unknown keys \['timeout'\]"):
+        with pytest.raises(ValueError, match=rf"{config}: unknown key runtime\.timeout \(known in runtime: timeout_s, abort_poll_s, max_pending_sends\)"):
             adapter.validate_args_wrapper(lambda a, d=None: a, None, (args, {}), {})
     finally:
         adapter.configure()
