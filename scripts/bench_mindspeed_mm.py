@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "upstream"))
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
-from realjob import RealJob, RealRun, run_real_job  # noqa: E402
+from realjob import RealJob, run_real_job  # noqa: E402
+from realjob_run import RealRun  # noqa: E402
 
 
 def measure(run: RealRun, warmup: int) -> dict:

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from realjob import RealJob, RealRun
+from realjob import RealJob
+from realjob_run import RealRun
 
 ITERS = 8
 K = 4  # save / exit at this iteration, resume to ITERS

@@ -45,7 +45,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from realjob import RealJob, RealRun
+from realjob import RealJob
+from realjob_run import RealRun
 from test_real_job import ITERS, JOBS, K, saved
 
 FLAG = ("--flow-conv-matmul",)

@@ -23,7 +23,8 @@ from dataclasses import replace
 
 import pytest
 
-from realjob import RealJob, RealRun
+from realjob import RealJob
+from realjob_run import RealRun
 from test_real_job import FLOW, JOBS, assert_consumed_is_fed, assert_finished, per_iteration_fed
 
 # a test may start several runs (the session shares them): 2-4 ranks each, minutes on a loaded machine
