@@ -41,14 +41,14 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from megatron_cpu_harness import launch  # noqa: E402
-from tiny_vlm import TextStage, ViT, forward_step  # noqa: E402
+from tiny_vlm import StageModule, forward_step, gpt_stage, microbatch_index, vit as tiny_vit, vlm_items  # noqa: E402
 from mindspeed_flow.runtime import measured_result  # noqa: E402
 from mindspeed_flow.runtime.layout import plan_for  # noqa: E402
 from mindspeed_flow.schedule import CostTable, Jitter, OneFOneB, Region, RegionCost, Transpose, simulate  # noqa: E402
 from mindspeed_flow.schedule.gantt import draw  # noqa: E402
 
 STAGES = 4
-PATCHES, TEXT, PATCH_DIM = 8, 8, 12
+PATCHES, TEXT = 8, 8  # per microbatch: image tokens, text tokens
 VIT = Jitter(low=0.030, high=0.090, spike_prob=0.15, spike=0.200, seed=3)  # forward seconds
 LLM_FORWARD = 0.012  # per stage
 BACKWARD_RATIO = 2.0
@@ -76,22 +76,16 @@ def _busy(seconds: float, log: list) -> None:
     log.append(time.monotonic() - start)
 
 
-def device_time(log: list) -> Callable:
-    """The emulated device compute of the tiny VLM's modules: the ViT's seeded jittery
-    time per microbatch, a fixed time per LLM stage; backward ``BACKWARD_RATIO`` times."""
+def device_time(log: list, role: str) -> Callable:
+    """A forward hook emulating the device compute of one of the tiny VLM's modules: the
+    ViT's seeded jittery time per microbatch, a fixed time per LLM stage; backward
+    ``BACKWARD_RATIO`` times."""
 
-    def apply(output: torch.Tensor, batch: dict, role: str) -> torch.Tensor:
-        seconds = VIT.sample(int(batch["index"])) if role == "vit" else LLM_FORWARD
+    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        seconds = VIT.sample(microbatch_index(args[0])) if role == "vit" else LLM_FORWARD
         return DeviceTime.apply(output, seconds, BACKWARD_RATIO * seconds, log)
 
-    return apply
-
-
-def _batches(count: int, vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(5)
-    return [{"pixels": torch.randn(PATCHES, PATCH_DIM, generator=g),
-             "tokens": torch.randint(0, vocab, (1, TEXT), generator=g),
-             "labels": torch.randint(0, vocab, (1, PATCHES + TEXT), generator=g), "index": m} for m in range(count)]
+    return hook
 
 
 def transpose_regions() -> list[Region]:
@@ -101,24 +95,25 @@ def transpose_regions() -> list[Region]:
 def _worker(rank: int, world_size: int, microbatches: int, steps: int) -> dict:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import schedules
-    from megatron_cpu_harness import TinyGPTSpec, build_stage_model, megatron_parallel
+    from megatron_cpu_harness import megatron_parallel
 
     from mindspeed_flow.adapters.megatron import schedule as adapter
     from mindspeed_flow.runtime import Binding, Executor
 
-    spec = TinyGPTSpec(num_microbatches=microbatches, seq_length=PATCHES + TEXT, micro_batch_size=1)
     out = {c: {"step": [], "busy": [], "timeline": None} for c in CONFIGS}
     with megatron_parallel(world_size):
-        gpt = build_stage_model(spec)
+        gpt = gpt_stage([1] * world_size, rank)
         log: list = []
-        torch.manual_seed(9)
-        vit = ViT(spec.hidden_size, PATCH_DIM, device_time(log))
-        text = TextStage(gpt, rank == 0, device_time=device_time(log))
-        with_vit = TextStage(gpt, rank == 0, vit if rank == 0 else None, device_time(log))
+        vit = tiny_vit()
+        vit.register_forward_hook(device_time(log, "vit"))
+        text = StageModule(gpt)
+        with_vit = StageModule(gpt, vit=vit if rank == 0 else None)
+        for stage in (text, with_vit):
+            stage.register_forward_hook(device_time(log, "llm"))
         plan = plan_for(transpose_regions(), microbatches)
         executor = Executor(rank, list(range(world_size)))
-        batches = _batches(microbatches, spec.vocab_size)
-        common = dict(num_microbatches=microbatches, seq_length=spec.seq_length, micro_batch_size=1)
+        batches = vlm_items([PATCHES] * microbatches, TEXT, seed=5)
+        common = dict(num_microbatches=microbatches, seq_length=PATCHES + TEXT, micro_batch_size=1)
 
         def run(config: str):
             data = iter(batches)

@@ -30,9 +30,9 @@ LAYOUT = DecoupledLayout(encoder_dp=1, backbone_pp=2, backbone_dp=2, max_ahead=2
 def _data_parallel(rank, world_size, state, name):
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron_cpu_harness import build_stage_model, global_name, layer_offset
-    from tests.runtime.test_vlm import _batches, _spec, _vit
-    from tiny_vlm import TextStage, forward_step
+    from megatron_cpu_harness import global_name, layer_offset
+    from tests.runtime.test_vlm import SPLIT, _batches, _vit
+    from tiny_vlm import StageModule, forward_step, gpt_stage
 
     from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
     from mindspeed_flow.pool import open_pool
@@ -43,20 +43,20 @@ def _data_parallel(rank, world_size, state, name):
                                              order="tp-cp-ep-pp-dp")
     try:
         groups = LAYOUT.new_groups()
-        spec, replica = _spec(), LAYOUT.replica(rank)
+        replica = LAYOUT.replica(rank)
         mine = LAYOUT.microbatches(replica, MICROBATCHES)
         region, stage, _ = LAYOUT.role(rank)
         if region == "vit":
-            module = _vit(spec, frozen=False)
+            module = _vit(frozen=False)
         else:
             assert parallel_state.get_pipeline_model_parallel_rank() == stage
-            gpt = build_stage_model(spec, state)
-            module = TextStage(gpt, stage == 0)
+            gpt = gpt_stage(SPLIT, stage, state)
+            module = StageModule(gpt)
         pool = open_pool("shm", capacity_bytes=1 << 20, name=f"{name}-b{replica}", owner=f"rank{rank}", timeout_s=60)
         gets = []
         handle = pool.handle
         pool.handle = lambda key, timeout=None, producer=None: gets.append(handle(key, timeout, producer)) or gets[-1]
-        batches = _batches(spec)
+        batches = _batches()
         bindings = {(region, stage): Binding(module, iter([batches[m] for m in mine]))}
         ranks = LAYOUT.replica_ranks(replica)
         result = Executor(ranks.index(rank), ranks, group=groups["replica"], pool=pool).run(

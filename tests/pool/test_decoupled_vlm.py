@@ -1,4 +1,4 @@
-"""Decoupled training of the tiny VLM (plain-PyTorch ViT + projector, megatron-core's
+"""Decoupled training of the tiny VLM (:mod:`mindspeed_flow.train.model`: its ViT, megatron-core's
 GPTModel cut over PP=2) through the pool: two trainable ViT replicas on ranks of their own
 put embeddings, the GPT pipeline on two other ranks gets them and puts their gradients
 back.  Loss and every gradient equal one process running the whole VLM with Megatron's
@@ -40,9 +40,9 @@ def _reference(rank, world_size):
 def _decoupled(rank, world_size, state, name, mooncake):
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron_cpu_harness import build_stage_model, global_name, layer_offset
-    from tests.runtime.test_vlm import _batches, _spec, _vit
-    from tiny_vlm import TextStage, forward_step
+    from megatron_cpu_harness import global_name, layer_offset
+    from tests.runtime.test_vlm import SPLIT, _batches, _vit
+    from tiny_vlm import StageModule, forward_step, gpt_stage
 
     from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
     from mindspeed_flow.pool import open_pool
@@ -53,19 +53,19 @@ def _decoupled(rank, world_size, state, name, mooncake):
                                              order="tp-cp-ep-pp-dp")
     try:
         groups = LAYOUT.new_groups()
-        spec, plan = _spec(), LAYOUT.plan(MICROBATCHES)
+        plan = LAYOUT.plan(MICROBATCHES)
         region, stage, _ = LAYOUT.role(rank)
         out = {}
         for backend in BACKENDS:
             if region == "vit":
-                module = _vit(spec, frozen=False)
+                module = _vit(frozen=False)
                 if rank == 1:  # only the plan's broadcast makes this replica right
                     with torch.no_grad():
                         for p in module.parameters():
                             p.add_(0.5)
             else:
-                gpt = build_stage_model(spec, state)
-                module = TextStage(gpt, stage == 0)
+                gpt = gpt_stage(SPLIT, stage, state)
+                module = StageModule(gpt)
             options: dict = {"name": f"{name}-{backend}", "timeout_s": 60}
             if backend != "torch":
                 options["owner"] = f"rank{rank}"
@@ -73,7 +73,7 @@ def _decoupled(rank, world_size, state, name, mooncake):
                 options.update(mooncake)
             pool = open_pool(backend, capacity_bytes=1 << 20, **options)
             seen = _record_handles(pool)
-            bindings = {(region, stage): Binding(module, iter(_with_samples(_batches(spec))))}
+            bindings = {(region, stage): Binding(module, iter(_with_samples(_batches())))}
             result = Executor(rank, list(range(world_size)), pool=pool).run(plan, forward_step, bindings)
             dist.barrier()
             pool.close()
@@ -91,7 +91,7 @@ def _decoupled(rank, world_size, state, name, mooncake):
 
 def _with_samples(batches: list[dict]) -> list[dict]:
     """Each microbatch names its samples and their token counts (image, text)."""
-    return [{**b, "sample_ids": [10 * m, 10 * m + 1], "token_counts": [b["patches"], b["tokens"].shape[1]]}
+    return [{**b, "sample_ids": [10 * m, 10 * m + 1], "token_counts": [b["patches"], TEXT]}
             for m, b in enumerate(batches)]
 
 

@@ -15,7 +15,7 @@ from mindspeed_flow.runtime.fifo import channel_groups, check_posting_order, fif
 from mindspeed_flow.runtime.layout import megatron_layout
 from mindspeed_flow.runtime.sends import plan_send_bound
 from mindspeed_flow.schedule import ScheduleError, compose, validate
-from runtime_models import build, forward_step, grads_of, make_batches, reference
+from tiny_vlm import build, forward_step, grads_of, make_batches, reference
 
 
 @pytest.mark.parametrize("stages,chunks", [(2, 1), (4, 1), (2, 2), (4, 2)])

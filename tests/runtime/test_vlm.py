@@ -1,9 +1,9 @@
-"""`<transpose, 1f1b>` on a tiny VLM: a plain-PyTorch ViT + projector in front of
-megatron-core's GPTModel cut over PP=2, run by the runtime over gloo, against one process
+"""`<transpose, 1f1b>` on the tiny VLM (:mod:`mindspeed_flow.train.model`: its ViT in front of
+megatron-core's GPTModel cut over PP=2), run by the runtime over gloo, against one process
 running the whole model (fp32, 1e-6 relative), with the ViT frozen and trainable.
 
-Microbatch ``m`` is an image of ``PATCHES[m]`` patches followed by text tokens: its
-sequence length differs per microbatch, and nothing is padded.  The ViT is replicated: rank
+Microbatch ``m`` is an image of ``PATCHES[m]`` merged image tokens followed by text tokens:
+its sequence length differs per microbatch, and nothing is padded.  The ViT is replicated: rank
 ``m % 2`` runs it for microbatch ``m`` and sends the embeddings to the pipeline's first
 stage; a trainable ViT is broadcast from rank 0 first (rank 1 starts from other weights)
 and its gradients are summed over both replicas at the end.
@@ -16,7 +16,8 @@ import importlib.util
 import pytest
 import torch
 
-from tiny_vlm import TextStage, ViT, forward_step
+from tiny_vlm import CONFIG, StageModule, forward_step, gpt_stage, vlm_items
+from tiny_vlm import vit as tiny_vit
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
@@ -26,28 +27,17 @@ pytestmark = pytest.mark.skipif(
 MICROBATCHES = 4
 PATCHES = (3, 6, 2, 5)
 TEXT = 5
-PATCH_DIM = 12
+LAYERS = CONFIG.llm_layers
+SPLIT = [LAYERS // 2, LAYERS - LAYERS // 2]
+SEQ_LENGTH = max(PATCHES) + TEXT  # what Megatron's schedules are told (variable lengths are exchanged)
 
 
-def _spec():
-    from megatron_cpu_harness import TinyGPTSpec
-
-    return TinyGPTSpec(num_microbatches=MICROBATCHES, seq_length=max(PATCHES) + TEXT, micro_batch_size=1)
+def _batches():
+    return vlm_items(PATCHES, TEXT, seed=11)
 
 
-def _batches(spec):
-    g = torch.Generator().manual_seed(11)
-    return [{"pixels": torch.randn(p, PATCH_DIM, generator=g),
-             "tokens": torch.randint(0, spec.vocab_size, (1, TEXT), generator=g),
-             "labels": torch.randint(0, spec.vocab_size, (1, p + TEXT), generator=g), "patches": p}
-            for p in PATCHES]
-
-
-def _vit(spec, frozen):
-    torch.manual_seed(5)
-    vit = ViT(spec.hidden_size, PATCH_DIM)
-    vit.requires_grad_(not frozen)
-    return vit
+def _vit(frozen):
+    return tiny_vit(frozen=frozen)
 
 
 def _reference_then_pipelined(rank, world_size):
@@ -62,17 +52,16 @@ def _reference_then_pipelined(rank, world_size):
 
 def _reference_run(frozen):
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-    from megatron_cpu_harness import build_stage_model, full_state_dict, megatron_parallel
+    from megatron_cpu_harness import full_state_dict, megatron_parallel
 
-    spec = _spec()
     with megatron_parallel(1):
-        gpt = build_stage_model(spec)
-        vit = _vit(spec, frozen)
+        gpt = gpt_stage([LAYERS], 0)
+        vit = _vit(frozen)
         state = full_state_dict(gpt)
 
         losses = forward_backward_no_pipelining(
-            forward_step_func=forward_step, data_iterator=iter(_batches(spec)), model=TextStage(gpt, True, vit),
-            num_microbatches=MICROBATCHES, seq_length=spec.seq_length, micro_batch_size=1)
+            forward_step_func=forward_step, data_iterator=iter(_batches()), model=StageModule(gpt, vit=vit),
+            num_microbatches=MICROBATCHES, seq_length=SEQ_LENGTH, micro_batch_size=1)
         grads = {f"gpt.{n}": p.grad.clone() for n, p in gpt.named_parameters()}
         grads.update({f"vit.{n}": p.grad.clone() for n, p in vit.named_parameters() if p.grad is not None})
     return state, [float(d["loss"]) for d in losses], grads
@@ -84,22 +73,22 @@ def _pipelined(rank, world_size, state):
 
 
 def _pipelined_run(rank, world_size, state, frozen):
-    from megatron_cpu_harness import build_stage_model, global_name, layer_offset, megatron_parallel
+    from megatron_cpu_harness import global_name, layer_offset, megatron_parallel
 
     from mindspeed_flow.runtime import Binding, Executor
     from mindspeed_flow.runtime.layout import plan_for, vlm_layout
 
-    spec = _spec()
     with megatron_parallel(world_size):
-        gpt = build_stage_model(spec, state)
-        vit = _vit(spec, frozen)
+        gpt = gpt_stage(SPLIT, rank, state)
+        vit = _vit(frozen)
         if rank == 1 and not frozen:
             with torch.no_grad():
                 for p in vit.parameters():
                     p.add_(0.5)  # only the broadcast makes this replica right
-        plan = plan_for(vlm_layout([3, 0], [2, 2], transpose=True, vision_trainable=not frozen), MICROBATCHES)
-        data = iter(_batches(spec))
-        bindings = {("vit", 0): Binding(vit, data), ("llm", rank): Binding(TextStage(gpt, rank == 0), data)}
+        plan = plan_for(vlm_layout([CONFIG.vit_layers, 0], SPLIT, transpose=True, vision_trainable=not frozen),
+                        MICROBATCHES)
+        data = iter(_batches())
+        bindings = {("vit", 0): Binding(vit, data), ("llm", rank): Binding(StageModule(gpt), data)}
         result = Executor(rank, [0, 1]).run(plan, forward_step, bindings)
         offset = layer_offset(gpt)
         grads = {f"gpt.{global_name(n, offset)}": p.grad.clone() for n, p in gpt.named_parameters()}

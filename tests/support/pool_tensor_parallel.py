@@ -2,8 +2,8 @@
 :func:`megatron_cpu_harness.launch`: any :class:`DecoupledLayout` (encoder DP x TP,
 backbone DP x TP x PP) of the tiny VLM, from one gloo world.
 
-The ViT's patch embedding is column-parallel and its layer row-parallel over the encoder
-replica's TP group (:mod:`encoder_tp`, beside it), projector replicated; the
+The ViT's MLPs (each block's and the merger's) are column-parallel then row-parallel over
+the encoder replica's TP group (:mod:`encoder_tp`, beside it), the rest replicated; the
 backbone is megatron-core's ``GPTModel`` under Megatron's own tensor and pipeline
 parallelism (its parallel state built from the one world with the layout's
 ``megatron_parallel_kwargs``), each TP rank loading its shard of the single-process
@@ -19,22 +19,17 @@ import torch
 from torch import nn
 
 
-class TensorParallelViT(nn.Module):
-    """``tiny_vlm.ViT``'s math with its patch and layer linears split over ``group``."""
+def tensor_parallel_vit(full: nn.Module, group) -> nn.Module:
+    """A copy of the tiny VLM's ViT (``full``, a :class:`~mindspeed_flow.train.vision.VisionEncoder`)
+    with the two linears of each MLP (every block's and the merger's) split over ``group``,
+    Megatron's column-then-row pairing; patch embedding, norms and attention replicated.
+    Parameter names stay ``full``'s, so gradients compare name by name."""
+    from encoder_tp import ColumnParallelLinear, RowParallelLinear
 
-    def __init__(self, full: nn.Module, group) -> None:
-        super().__init__()
-        from encoder_tp import ColumnParallelLinear, RowParallelLinear
-
-        self.patch = ColumnParallelLinear(full.patch, group)
-        self.layer = RowParallelLinear(full.layer, group)
-        self.projector = copy.deepcopy(full.projector)
-
-    def set_input_tensor(self, tensors: list) -> None:
-        """The first region: nothing comes in."""
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        return self.projector(torch.tanh(self.layer(self.patch(batch["pixels"]))))
+    encoder = copy.deepcopy(full)
+    for mlp in [block.mlp for block in encoder.blocks] + [encoder.merger.mlp]:
+        mlp[0], mlp[2] = ColumnParallelLinear(mlp[0], group), RowParallelLinear(mlp[2], group)
+    return encoder
 
 
 def partition_dim(param: torch.Tensor) -> int | None:
@@ -63,9 +58,9 @@ def decoupled_worker(rank, world_size, state, name, layout, backend):
     (``name -> (grad, partition dim)``) and what its pool served it."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron_cpu_harness import build_stage_model, global_name, layer_offset
-    from tests.runtime.test_vlm import MICROBATCHES, _batches, _spec, _vit
-    from tiny_vlm import TextStage, forward_step
+    from megatron_cpu_harness import global_name, layer_offset
+    from tests.runtime.test_vlm import LAYERS, MICROBATCHES, _batches, _vit
+    from tiny_vlm import StageModule, forward_step, gpt_stage
 
     from mindspeed_flow.adapters.megatron.core import enable_cpu_shims
     from mindspeed_flow.pool import open_pool
@@ -78,10 +73,9 @@ def decoupled_worker(rank, world_size, state, name, layout, backend):
         groups = layout.new_groups()
         role, replica = layout.role(rank), layout.replica(rank)
         mine = layout.microbatches(replica, MICROBATCHES)
-        spec = _spec()
-        batches = _batches(spec)
+        batches = _batches()
         if role.region == "vit":
-            vit = TensorParallelViT(_vit(spec, frozen=False), groups["tp"])
+            vit = tensor_parallel_vit(_vit(frozen=False), groups["tp"])
             if layout.executor_ranks(rank).index(rank) % 2:  # only the plan's broadcast makes it right
                 with torch.no_grad():
                     for p in vit.parameters():
@@ -93,9 +87,10 @@ def decoupled_worker(rank, world_size, state, name, layout, backend):
                     parallel_state.get_tensor_model_parallel_rank()) == (role.stage, role.tp_rank)
             assert dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()) == \
                 layout.tp_group_ranks(rank)
-            gpt = build_stage_model(spec)
+            pp = layout.backbone_pp
+            gpt = gpt_stage([LAYERS // pp] * pp, role.stage)
             load_shards(gpt, state, role.tp_rank, layout.backbone_tp)
-            module = TextStage(gpt, role.stage == 0)
+            module = StageModule(gpt)
             params = {f"gpt.{global_name(n, layer_offset(gpt))}": p for n, p in gpt.named_parameters()}
         leader = layout.tp_group_ranks(rank)[0]
         pool, gets = None, []
