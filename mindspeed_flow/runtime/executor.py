@@ -162,14 +162,17 @@ class Executor:
         return known
 
     def _check_runnable(self, lowered: Lowered) -> None:
-        """Refuse what the runtime cannot execute, naming the first such operation."""
+        """Refuse what the runtime cannot execute, naming the first such operation: a
+        recomputed backward on any rank (every rank refuses the same plan), a pool transfer
+        on this rank without a pool (ranks whose own program has none, such as the backbone's
+        later stages of a decoupled layout, open no pool)."""
         for rank, ops in sorted(lowered.programs.items()):
             for op in ops:
                 if op.message is not None and op.message.payload is Payload.INPUT:
                     raise ScheduleError(
                         f"{where(rank, op.index, op.action)}: Transpose(backward='recompute') is not supported "
                         "by the runtime; use backward='owner'")
-                if op.kind in (OpKind.PUT, OpKind.GET) and self.pool is None:
+                if op.kind in (OpKind.PUT, OpKind.GET) and self.pool is None and rank == self.rank:
                     raise ScheduleError(
                         f"{where(rank, op.index, op.action)}: the plan moves tensors through the pool, but "
                         "this executor has none: pass Executor(pool=...) (mindspeed_flow.pool.open_pool)")

@@ -101,6 +101,7 @@ def test_a_pool_plan_without_a_pool_is_refused_before_the_first_step():
     with pytest.raises(ScheduleError, match=r"r0 #\d+ PUT .*through the pool, but this executor has none"):
         Executor(0, [0, 1, 2], store=None).prepare(plan)
     Executor(0, [0, 1, 2], store=None, pool=object()).prepare(plan)  # validated, never run
+    Executor(2, [0, 1, 2], store=None).prepare(plan)  # the backbone's last stage has no pool transfer
 
 
 def test_a_recomputed_backward_is_refused_naming_the_action():
