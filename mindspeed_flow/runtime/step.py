@@ -35,7 +35,6 @@ from .lowering import Op, OpKind, Payload, channel_of
 from .transport import Transport
 
 ACT, GRAD, WEIGHT = BoundaryKind.ACT, BoundaryKind.GRAD, BoundaryKind.WEIGHT
-_SAMPLE_META = ("sample_ids", "token_counts")  # data item fields a pool put carries along
 
 
 def set_input_tensor(model: torch.nn.Module, tensors: list) -> None:
@@ -241,22 +240,12 @@ class Step:
         else:
             self.flat[message.channel] = tensor
 
-    def sample_meta(self, a: Action) -> dict:
-        """``sample_ids`` / ``token_counts`` of the microbatch's data item (a dict), if it
-        has them and this rank read it: they travel with the embeddings in the pool."""
-        binding = self.bindings.get((a.region, a.stage))
-        feed = self.feeds.get(id(binding.data_iterator)) if binding is not None else None
-        item = feed.items[a.microbatch] if feed is not None and len(feed.items) > a.microbatch else None
-        if not isinstance(item, dict):
-            return {}
-        return {k: torch.as_tensor(item[k]).tolist() for k in _SAMPLE_META if k in item}
-
     def pool_key(self, op: Op) -> str:
         return f"step{self.step_number}/{op.message.channel}/mb{op.message.microbatch}"
 
     def put(self, op: Op) -> None:
         a = op.action
-        meta = {"microbatch": a.microbatch, "key": str(a.key), "rank": self.rank, **self.sample_meta(a)}
+        meta = {"microbatch": a.microbatch, "key": str(a.key), "rank": self.rank}
         self.pool.put(self.pool_key(op), self.outbound(op), meta, timeout=self.transport.policy.timeout_s)
 
     def get(self, op: Op) -> None:
