@@ -15,15 +15,12 @@ the launch timed out.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+from markers import requires_megatron_core
+
+pytestmark = requires_megatron_core
 
 from data_corpus import demo_corpus  # noqa: E402
 from megatron_cpu_harness import launch  # noqa: E402

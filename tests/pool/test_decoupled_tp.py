@@ -11,7 +11,6 @@ ranks), and encoder TP=2 under backbone DP=2 (six ranks)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -19,11 +18,9 @@ import torch
 
 from mindspeed_flow.pool.decoupled import DecoupledLayout
 from pool_tensor_parallel import shard
+from markers import requires_megatron_core
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+pytestmark = requires_megatron_core
 
 LAYOUTS = {
     # 2 ViT replicas x TP=2 on ranks 0-3 (same-TP-rank peers reduce), GPT TP=2 on ranks 4-5

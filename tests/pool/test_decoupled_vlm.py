@@ -13,7 +13,6 @@ and 1 (the encoder's own group) build no GPT."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -21,11 +20,9 @@ import torch
 
 from mindspeed_flow.pool.decoupled import DecoupledLayout
 from tests.runtime.test_vlm import MICROBATCHES
+from markers import requires_megatron_core
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+pytestmark = requires_megatron_core
 
 LAYOUT = DecoupledLayout(encoder_dp=2, backbone_pp=2, max_ahead=1)
 BACKENDS = ("shm", "torch", "mooncake")

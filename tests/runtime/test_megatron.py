@@ -15,10 +15,9 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+from markers import requires_megatron_core
+
+pytestmark = requires_megatron_core
 
 VARLEN = (16, 9, 13, 5)  # sequence length of each microbatch
 

@@ -11,18 +11,14 @@ and its gradients are summed over both replicas at the end.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from tiny_vlm import CONFIG, StageModule, forward_step, gpt_stage, vlm_items
 from tiny_vlm import vit as tiny_vit
+from markers import requires_megatron_core
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+pytestmark = requires_megatron_core
 
 MICROBATCHES = 4
 PATCHES = (3, 6, 2, 5)

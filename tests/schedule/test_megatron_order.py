@@ -9,17 +9,13 @@ the number of slow process launches at two.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from mindspeed_flow.schedule import Interleaved1F1B, OneFOneB, Region, compose, validate
 from mindspeed_flow.schedule.actions import COMPUTE
+from markers import requires_megatron_core
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+pytestmark = requires_megatron_core
 
 MICROBATCH_COUNTS = (4, 8)
 CHUNKS = 2  # model chunks per rank in the interleaved run

@@ -7,7 +7,6 @@ The terminal output is checked to stay readable (upstream warnings counted, not 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -19,14 +18,12 @@ from pathlib import Path
 import pytest
 
 from mindspeed_flow.train.config import load_config
+from markers import requires_megatron_core
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "train" / "ci.yaml"
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+pytestmark = requires_megatron_core
 
 
 def _command() -> list[str]:

@@ -17,7 +17,6 @@ megatron-core's real GPTModel and schedules, fp32 on CPU:
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 from typing import Any
 
@@ -29,11 +28,9 @@ from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.conversation import IGNORE
 from mindspeed_flow.data.demo import make_demo_corpus
 from mindspeed_flow.data.tokenizer import load_tokenizer
+from markers import requires_megatron_core
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+pytestmark = requires_megatron_core
 
 CAPACITY = 512
 PACKS = 2

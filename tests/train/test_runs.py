@@ -12,15 +12,12 @@ has the pool's PUT and GET.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install 'mindspeed-flow[megatron]')",
-)
+from markers import requires_megatron_core
+
+pytestmark = requires_megatron_core
 
 WORLD = 4
 STEPS = 3
