@@ -2,7 +2,7 @@
 
 Every gradient exchange of the project goes through here: the main job's data-parallel sum
 (``train.trainer``), the decoupled layout's averages (``pool.decoupled``) and the runtime's
-replica reduce (``runtime.executor``, which sums the same flat buffer point to point in group
+replica reduce (``runtime.step``, which sums the same flat buffer point to point in group
 order).  One collective per dtype instead of one per parameter: each would pay the
 collective's latency on the step's critical path.
 
@@ -18,9 +18,14 @@ import torch
 Named = tuple[str, torch.nn.Parameter]
 
 
+def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient as a 1-D view, a missing gradient as zeros (peers' buffers line up)."""
+    return (param.grad if param.grad is not None else torch.zeros_like(param)).reshape(-1)
+
+
 def flatten_grads(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The gradients of ``params`` end to end in one 1-D tensor, a missing gradient as zeros."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    return torch.cat([_grad_or_zeros(p) for p in params])
 
 
 def scatter_flat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -61,7 +66,7 @@ def all_reduce_flat_grads(params: Iterable[Union[torch.nn.Parameter, Named]], gr
             buckets.setdefault(param.dtype, []).append((name, param))
     reduced = []
     for dtype, named in buckets.items():
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named]
+        grads = [_grad_or_zeros(p) for _, p in named]
         numel = sum(g.numel() for g in grads)
         if agree_on_missing:
             flags = torch.tensor([[p.grad is not None, p.grad is None] for _, p in named], dtype=dtype,
