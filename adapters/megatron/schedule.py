@@ -230,11 +230,11 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
     path = layout_path(args)
     if not path:
         return None
-    import yaml
-
     from mindspeed_flow.runtime.layout import load_layout, vlm_layout
+    from mindspeed_flow.schedule import ScheduleError
+    from mindspeed_flow.typed_yaml import read_yaml
 
-    doc = yaml.safe_load(open(path)) or {}
+    doc = read_yaml(path, error=ScheduleError, what="the schedule layout") or {}
     if not (isinstance(doc, dict) and "vlm" in doc):
         return lambda stages, chunks: load_layout(path, stages)
     options = dict(doc["vlm"] or {})
