@@ -1,0 +1,146 @@
+"""Megatron's ``forward_backward_func`` for FlowTrain's decoupled layout: every rank runs
+its slice's program of the ``<Decoupled, 1F1B>`` plan through the runtime's
+:class:`~mindspeed_flow.runtime.Executor` with the slice's pool.
+
+Microbatches.  Megatron gives the backbone ranks ``N = global / (micro_batch * backbone_dp)``
+microbatches a step and the encoder ranks ``N / encoder_dp`` (their data-parallel size is
+``encoder_dp * backbone_dp``); the plan is the slice's, over its ``N``.  An encoder rank is
+fed its slice's data iterator (the one its slice's first backbone stage reads) and its
+program forwards microbatches ``m % encoder_dp == e`` only: the runtime's feed pulls the
+items before them and drops them.
+
+Gradients.  Megatron's own machinery reduces them after the step: DDP over each role's
+data-parallel group (:mod:`.roles`: never the two roles together), then
+``finalize_model_grads``.  Per-token loss (``--calculate-per-token-loss``): the slice's
+token count is known on its last backbone stage only; it is broadcast to the slice (the
+executor's group) and passed by the encoder replica 0 of each slice only (0 elsewhere), so
+the encoder's all-reduce over its ``encoder_dp * backbone_dp`` ranks sums each slice's
+count once, as the backbone's over its ``backbone_dp`` ranks does.  Averaged loss: DDP
+divides by the data-parallel size, ``backbone_dp`` on the backbone but ``encoder_dp *
+backbone_dp`` on the encoder, whose gradients are therefore multiplied by ``encoder_dp``
+first.  The plan's own encoder ``REDUCE`` works on ``.grad``, which Megatron's DDP has
+already moved into ``main_grad``: it carries zeros and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mindspeed_flow.schedule.regions import ENCODER_REGION
+
+DEFAULT_POOL_BYTES = 256 << 20
+
+
+@dataclass
+class StepState:
+    """What the first step built: the executor, its pool, the plans by microbatch count."""
+
+    executor: Any = None
+    pool: Any = None
+    pool_name: str | None = None
+    backend: str | None = None
+    plans: dict = field(default_factory=dict)
+
+
+STATE = StepState()
+
+
+def pool_backend() -> str:
+    """``--flow-pool-backend`` as the config tree holds it; ``shm`` (one node) without it."""
+    from mindspeed_flow.activation import current_config
+
+    config = current_config()
+    backend = getattr(config, "pool_backend", None) if config is not None else None
+    return backend or "shm"
+
+
+def trainable_encoder() -> bool:
+    """Whether the ViT region has a backward (some part of ViT + projector trains): read from
+    MindSpeed-MM's model config, the same on every rank (the plan must be)."""
+    from megatron.training import get_args
+
+    image = getattr(getattr(getattr(get_args(), "mm", None), "model", None), "image_encoder", None)
+    if image is None:
+        return True
+    return not (getattr(image.vision_encoder, "freeze", True) and getattr(image.vision_projector, "freeze", False))
+
+
+def _executor(layout: Any, groups: dict) -> Any:
+    import torch.distributed as dist
+
+    from mindspeed_flow.adapters.megatron.schedule import SETTINGS
+    from mindspeed_flow.pool.job import job_pool_name, open_slice_pool, remove_at_exit
+    from mindspeed_flow.runtime import Executor
+
+    if STATE.executor is None:
+        rank = dist.get_rank()
+        STATE.backend = pool_backend()
+        STATE.pool_name = job_pool_name()
+        if rank == 0:
+            remove_at_exit(STATE.backend, STATE.pool_name)
+        STATE.pool = open_slice_pool(STATE.backend, layout, groups, STATE.pool_name, DEFAULT_POOL_BYTES)
+        ranks = layout.executor_ranks(rank)
+        STATE.executor = Executor(ranks.index(rank), ranks, group=groups["replica"], options=SETTINGS.options,
+                                  pool=STATE.pool)
+        dist.barrier()  # every participant's pool is open before the first put
+    return STATE.executor
+
+
+def close() -> None:
+    """Close this rank's pool view (the job's end); rank 0 removes what the pools left."""
+    if STATE.pool is not None and hasattr(STATE.pool, "close"):
+        STATE.pool.close()
+    STATE.pool = STATE.executor = None
+
+
+def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
+                               forward_only: bool = False, collect_non_loss_data: bool = False,
+                               **ignored: Any) -> list:
+    """Megatron's ``forward_backward_func`` keywords; this rank's program of its slice's plan."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    from mindspeed_flow.adapters.megatron.roles import ROLES
+    from mindspeed_flow.adapters.megatron.schedule import _grad_sync_held
+    from mindspeed_flow.runtime import Binding, LossRules
+
+    layout, groups = ROLES.layout, ROLES.groups
+    rank = dist.get_rank()
+    role = layout.role(rank)
+    encoder = role.region == ENCODER_REGION
+    models = list(model) if isinstance(model, list) else [model]
+    if len(models) != 1:
+        raise ValueError(f"the decoupled layout runs one model chunk per rank, got {len(models)}")
+    iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    slice_microbatches = num_microbatches * layout.encoder_dp if encoder else num_microbatches
+    trainable = trainable_encoder()
+    key = (slice_microbatches, trainable)
+    plan = STATE.plans.get(key)
+    if plan is None:
+        plan = STATE.plans[key] = layout.plan(slice_microbatches, trainable_encoder=trainable)
+    executor = _executor(layout, groups)
+    config = get_model_config(models[0])
+    loss = LossRules(config.calculate_per_token_loss, parallel_state.get_context_parallel_world_size(),
+                     config.grad_scale_func)
+    with _grad_sync_held(config, forward_only) as release:
+        result = executor.run(plan, forward_step_func, {role.binding: Binding(models[0], iterator)},
+                              forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, loss=loss,
+                              before_last_backward=release)
+    if forward_only:
+        return result.forward_data_store
+    tokens = result.total_num_tokens.clone().to(torch.int64 if not result.total_num_tokens.is_floating_point()
+                                                 else result.total_num_tokens.dtype)
+    last = layout.executor_ranks(rank)[-1]
+    dist.broadcast(tokens, src=last, group=groups["replica"])  # the slice's count, on every rank of it
+    if encoder:
+        encoder_replica = layout.executor_ranks(rank).index(rank)  # plan rank e < encoder_dp
+        if encoder_replica:
+            tokens.zero_()
+        if not config.calculate_per_token_loss and layout.encoder_dp > 1:
+            models[0].scale_gradients(float(layout.encoder_dp))
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(models, tokens if config.calculate_per_token_loss else None)
+    return result.forward_data_store

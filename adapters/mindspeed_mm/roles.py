@@ -1,0 +1,66 @@
+"""MindSpeed-MM's model built by role under FlowTrain's decoupled layout.
+
+``pretrain_vlm.model_provider`` deep-copies ``args.mm.model`` and hands it to ``VLMModel``;
+the wrapper of ``VLMModel.__init__`` (:func:`vlm_init_wrapper`) edits that copy for this
+rank's role before the model is built:
+
+- an encoder rank keeps ``image_encoder`` (ViT + projector) only: ``text_decoder`` (and
+  ``audio_encoder``) go, and the ViT is built whole (the encoder's pipeline has one stage, so
+  ``VLMModel`` builds every layer: ``vision_encoder.pipeline_num_layers`` becomes its total);
+  its forward returns the embeddings ``[-1, 1, H]``, which the runtime puts into the pool;
+- a backbone rank keeps its ``text_decoder`` stage only (the embedding on the first stage,
+  the output layer on the last, as Megatron's pipeline builds them); ``VLMModel.forward``
+  then reads the ViT embeddings from ``self.input_tensor``, which the runtime sets from the
+  pool (``set_input_tensor``).
+
+Parameter names stay those of the co-located model (``image_encoder.*``, ``text_decoder.*``
+with Megatron's per-stage layer numbering), so Megatron's DDP, optimizer and checkpoints
+treat each role's parameters as their own shard of one model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from mindspeed_flow.schedule.regions import ENCODER_REGION
+
+
+def _region() -> str | None:
+    from mindspeed_flow.adapters.megatron.roles import ROLES
+
+    layout = ROLES.layout
+    if layout is None:
+        return None
+    import torch.distributed as dist
+
+    return layout.role(dist.get_rank()).region
+
+
+def configure_for_role(config: Any, region: str) -> Any:
+    """``config`` (a copy of ``args.mm.model``) edited in place to build ``region``'s part."""
+    if region == ENCODER_REGION:
+        if getattr(config, "image_encoder", None) is None:
+            raise ValueError("the decoupled layout's encoder ranks build the image encoder, but the model has none")
+        config.text_decoder = None
+        if hasattr(config, "audio_encoder"):
+            config.audio_encoder = None
+        vision = config.image_encoder.vision_encoder
+        layers = getattr(vision, "pipeline_num_layers", None)
+        if layers is not None:
+            vision.pipeline_num_layers = [sum(layers)]
+    else:
+        if getattr(config, "text_decoder", None) is None:
+            raise ValueError("the decoupled layout's backbone ranks build the text decoder, but the model has none")
+        config.image_encoder = None
+        if getattr(config, "audio_encoder", None) is not None:
+            raise ValueError("the decoupled layout carries image embeddings only: an audio encoder is not supported")
+    return config
+
+
+def vlm_init_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``VLMModel(config)`` building this rank's role only (see the module docstring)."""
+    region = _region()
+    if region is not None:
+        config = args[0] if args else kwargs["config"]
+        configure_for_role(config, region)
+    return wrapped(*args, **kwargs)

@@ -1,0 +1,65 @@
+"""FlowTrain's decoupled layout in Megatron's / MindSpeed-MM's real job (feature
+``schedule``, active when a decoupled layout is configured: :mod:`mindspeed_flow.adapters.megatron.roles`):
+
+- ``validate_args`` sees this rank's role's world size, TP and PP;
+- ``initialize_model_parallel`` builds Megatron's groups per role over that role's ranks,
+  then the runtime's cross-role groups;
+- ``VLMModel.__init__`` builds this rank's part (ViT + projector, or its LLM stage);
+- ``get_forward_backward_func`` returns the decoupled step (the slice's plan through the
+  runtime's executor and the pool), outside the schedule feature's own wrapper.
+
+Without a decoupled layout every wrapper calls Megatron's / MindSpeed-MM's own function.
+"""
+
+from mindspeed_flow.adapters.megatron import decoupled_step, roles
+from mindspeed_flow.adapters.mindspeed_mm import roles as mm_roles
+from mindspeed_flow.patching import Patch
+from mindspeed_flow.patching.versions import MEGATRON_LM, MINDSPEED_MM
+
+FEATURE = "decoupled"
+
+
+def get_forward_backward_func_wrapper(wrapped, instance, args, kwargs):
+    """The decoupled step when a decoupled layout is configured; the wrapped getter otherwise."""
+    if roles.ROLES.layout is not None:
+        return decoupled_step.decoupled_forward_backward
+    return wrapped(*args, **kwargs)
+
+
+PATCHES = [
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.arguments:validate_args",
+        wrapper=roles.validate_args_wrapper,
+        params="args, defaults",
+        checked=(MEGATRON_LM,),
+        order=20,
+        description="decoupled layout: Megatron validates each rank's role's world size, TP and PP",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.core.parallel_state:initialize_model_parallel",
+        wrapper=roles.initialize_model_parallel_wrapper,
+        checked=(MEGATRON_LM,),
+        order=20,
+        description="decoupled layout: Megatron's groups per role over its own ranks; the runtime's groups beside",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vlm_model:VLMModel.__init__",
+        wrapper=mm_roles.vlm_init_wrapper,
+        params="self, config",
+        checked=(MINDSPEED_MM,),
+        order=20,
+        description="decoupled layout: encoder ranks build ViT + projector, backbone ranks their LLM stage",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.core.pipeline_parallel.schedules:get_forward_backward_func",
+        wrapper=get_forward_backward_func_wrapper,
+        params="",
+        checked=(MEGATRON_LM,),
+        order=20,
+        description="decoupled layout: the slice's plan through the runtime's executor and the pool",
+    ),
+]

@@ -1,0 +1,111 @@
+"""One upstream training step under FlowTrain's decoupled layout: MindSpeed's adaptor,
+Megatron's initialisation and MindSpeed-MM's ``VLMModel``, with the plugin's decoupled
+patches (:mod:`mindspeed_flow.patches.decoupled`): encoder ranks build ViT + projector,
+backbone ranks their LLM stage, each role with Megatron's groups over its own ranks, and
+``get_forward_backward_func`` runs the slice's plan through the runtime and the pool.
+
+Run by ``test_real_job_decoupled.py`` under torchrun as ``python -m mindspeed_flow.launch
+decoupled_driver.py ARGS --use-flowtrain``; the job JSON (``MINDSPEED_FLOW_HARNESS_JOB``)
+is :mod:`driver`'s plus ``decoupled``: the layout's fields.  Each rank trains its slice's
+share of the samples (one per microbatch) and writes its loss, token count, gradients
+(fp32 ``main_grad`` by global name) and role.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def install_decoupled_patches() -> None:
+    """The launcher's registry rebuilt with the ``decoupled`` feature module in it, as the
+    plugin will build it once ``patches.FEATURE_MODULES`` lists ``decoupled`` (wired by the
+    coordinator); until then the driver does it: remove the launcher's patches, build and
+    enable the full set (``decoupled`` beside the features the launcher enabled)."""
+    from mindspeed_flow import activation, patches
+
+    if "decoupled" in patches.FEATURE_MODULES:
+        return
+    registry = activation.current_registry()
+    features = set(registry.enabled)
+    registry.remove()
+    activation._registry = None  # test-driver only: the one registry is replaced, not stacked
+    patches.FEATURE_MODULES = (*patches.FEATURE_MODULES, "decoupled")
+    fresh = patches.build_registry()
+    activation.install_registry(fresh)
+    fresh.enable(features | {"decoupled"})
+
+
+install_decoupled_patches()  # before upstream is imported, as the launcher's activation is
+import driver  # noqa: E402  (MindSpeed's adaptor first, as pretrain_vlm.py; the job JSON)
+
+
+def decoupled_layout(fields: dict):
+    """The layout class wherever the core keeps it (it moves to ``mindspeed_flow.decoupled``)."""
+    try:
+        from mindspeed_flow.decoupled import DecoupledLayout
+    except ImportError:
+        from mindspeed_flow.pool.decoupled import DecoupledLayout
+    return DecoupledLayout(**fields)
+
+
+def main() -> None:
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.enums import ModelType
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+    from megatron.training.training import get_model
+
+    from mindspeed_flow.adapters.megatron import roles
+
+    layout = decoupled_layout(driver.JOB["decoupled"])
+    roles.configure(layout)
+    driver.initialise()
+    model = get_model(driver.model_provider, ModelType.encoder_or_decoder)
+    if driver.JOB.get("load"):
+        driver.load_initial_weights(model)
+    rank = torch.distributed.get_rank()
+    role = layout.role(rank)
+    replica = layout.replica(rank)
+    samples = [driver.sample_tensors(spec) for spec in driver.JOB["samples"]]
+    mine = layout.microbatches(replica, len(samples))
+    batches = [samples[i] for i in mine]
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    forward_backward = get_forward_backward_func()
+    losses = forward_backward(forward_step_func=driver.forward_step, data_iterator=iter(batches), model=model,
+                              num_microbatches=get_num_microbatches(), seq_length=256, micro_batch_size=1,
+                              forward_only=False)
+    result = {"rank": rank, "region": role.region, "stage": role.stage, "replica": replica,
+              "plan_rank": layout.executor_ranks(rank).index(rank), "microbatches": len(batches),
+              "megatron_microbatches": get_num_microbatches(),
+              "forward_backward_func": f"{forward_backward.__module__}:{forward_backward.__qualname__}",
+              "parameters": sorted(driver.global_name(n) for c in model for n, _ in c.named_parameters())}
+    from megatron.core import mpu
+    result["groups"] = {
+        "tp": torch.distributed.get_process_group_ranks(mpu.get_tensor_model_parallel_group()),
+        "pp": torch.distributed.get_process_group_ranks(mpu.get_pipeline_model_parallel_group()),
+        "dp": torch.distributed.get_process_group_ranks(mpu.get_data_parallel_group()),
+        "mp": torch.distributed.get_process_group_ranks(mpu.get_model_parallel_group()),
+    }
+    if role.region == "llm" and role.stage == layout.backbone_pp - 1:
+        result["loss_sum"] = sum(float(item["loss"][0]) for item in losses)
+        result["tokens"] = sum(float(item["loss"][1]) for item in losses)
+    torch.save(driver.gradients(model), driver.rank_path("grads"))
+    from mindspeed_flow.adapters.megatron import decoupled_step
+    result["pool_backend"] = decoupled_step.STATE.backend
+    result["pool_name"] = decoupled_step.STATE.pool_name
+    decoupled_step.close()
+    torch.distributed.barrier()
+    Path(driver.rank_path("result")).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

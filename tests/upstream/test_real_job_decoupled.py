@@ -1,0 +1,127 @@
+"""FlowTrain's decoupled layout inside MindSpeed-MM's real model (issue 22): encoder ranks of
+their own build the Qwen2.5-VL ViT + projector, backbone ranks their LLM stage, each role
+with Megatron's groups over its own ranks; one training step runs the slice's
+``<Decoupled, 1F1B>`` plan through the runtime's executor, embeddings and their gradients
+through the pool (``shm`` and ``torch`` backends).  Losses and every gradient (fp32 ``main_grad``, by global name)
+equal upstream's co-located single-process step on the same samples, within
+``test_vlm_equivalence``'s fp32 bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import Job, _free_port, _run_in_own_group, run_upstream, sample_specs, upstream_env
+from pinned_upstream import upstream_sources
+from test_vlm_equivalence import FP32_GRAD_RTOL, FP32_LOSS_RTOL, gradient_errors
+
+HERE = Path(__file__).resolve().parent
+DRIVER = HERE / "decoupled_driver.py"
+DECOUPLED_STEP = "mindspeed_flow.adapters.megatron.decoupled_step:decoupled_forward_backward"
+SHM = Path("/dev/shm")
+
+
+def run_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str) -> list[dict]:
+    """``decoupled_driver.py`` under torchrun on ``layout``'s world, with the plugin and
+    ``--flow-pool-backend backend``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_json = workdir / "model.json"
+    model_json.write_text(json.dumps(job.model_json(), indent=1))
+    world = layout["backbone_dp"] * (layout["encoder_dp"] + layout["backbone_pp"])
+    spec = {"samples": job.samples, "layout": job.layout, "decoupled": layout,
+            "result": str(workdir / "result_{rank}.json"), "grads": str(workdir / "grads_{rank}.pt"),
+            "captures": str(workdir / "captures_{rank}.pt"), "capture": [], "load": str(load), "save": None}
+    (workdir / "job.json").write_text(json.dumps(spec))
+    env = upstream_env(upstream_sources(), workdir)
+    env["MINDSPEED_FLOW_HARNESS_JOB"] = str(workdir / "job.json")
+    env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               "-m", "mindspeed_flow.launch", str(DRIVER), *job.megatron_args(model_json), "--use-flowtrain",
+               "--flow-pool-backend", backend]
+    returncode, output = _run_in_own_group(command, workdir, env)
+    if returncode != 0:
+        raise RuntimeError(f"decoupled run failed ({returncode}): {' '.join(command)}\n{output[-30000:]}")
+    results = [json.loads((workdir / f"result_{r}.json").read_text()) for r in range(world)]
+    for r in results:
+        r["grads"] = torch.load(workdir / f"grads_{r['rank']}.pt", weights_only=True)
+    return results
+
+
+def slice_zero(results: list[dict]) -> dict[str, torch.Tensor]:
+    """The gradients of slice 0's first encoder replica and its backbone stages (the other
+    replicas hold the same, all-reduced gradients: checked too)."""
+    grads: dict[str, torch.Tensor] = {}
+    for r in results:
+        if r["replica"] == 0 and (r["region"] == "llm" or r["plan_rank"] == 0):
+            for name, grad in r["grads"].items():
+                assert name not in grads, f"{name} on two ranks"
+                grads[name] = grad
+    for r in results:  # every replica holds its role's reduced gradients
+        for name, grad in r["grads"].items():
+            assert torch.equal(grad, grads[name]), f"rank {r['rank']}: {name} differs from slice 0's"
+    return grads
+
+
+def assert_equals_upstream(reference, results: list[dict]) -> None:
+    """MindSpeed-MM's reported loss is summed over the data-parallel group (the backbone's),
+    so every slice's last stage reports the global batch's."""
+    last = [r for r in results if "loss_sum" in r]
+    assert len({(r["loss_sum"], r["tokens"]) for r in last}) == 1, last
+    tokens = last[0]["tokens"]
+    loss = last[0]["loss_sum"] / tokens
+    assert tokens == reference.result["tokens"]
+    assert loss == pytest.approx(reference.loss, rel=FP32_LOSS_RTOL)
+    errors = gradient_errors(reference.grads, slice_zero(results))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= FP32_GRAD_RTOL, f"{worst}: relative gradient error {errors[worst]:.2e}"
+
+
+def assert_roles(results: list[dict], layout: dict, backend: str) -> None:
+    """Encoder ranks hold image_encoder.* only, backbone ranks text_decoder.* only; every
+    Megatron group (TP, PP, DP, model parallel) holds ranks of one role; the step ran the
+    decoupled runtime; the pool is gone after the job."""
+    encoders = layout["backbone_dp"] * layout["encoder_dp"]
+    for r in results:
+        prefix = "module.image_encoder." if r["region"] == "vit" else "module.text_decoder."
+        assert r["parameters"] and all(n.startswith(prefix) for n in r["parameters"]), r["rank"]
+        mine = range(encoders) if r["region"] == "vit" else range(encoders, len(results))
+        for kind, ranks in r["groups"].items():
+            assert set(ranks) <= set(mine), (r["rank"], kind, ranks)
+        assert r["forward_backward_func"] == DECOUPLED_STEP
+        assert r["pool_backend"] == backend
+        assert not list(SHM.glob(f"*{r['pool_name']}*")), "the pool outlived the job"
+
+
+def test_decoupled_vit_on_one_rank_llm_pp2_equals_upstream(runs, tmp_path):
+    """ViT on rank 0, LLM stages on ranks 1 and 2 (3 ranks), the ``shm`` pool; Megatron's
+    PP group is the backbone's two ranks, its DP groups one rank each."""
+    plain = runs.get("fp32_plain")
+    layout = {"encoder_dp": 1, "backbone_pp": 2, "backbone_dp": 1, "max_ahead": 2}
+    job = Job(samples=plain_samples(3), precision="fp32", flash_attn=True, pp=2)
+    results = run_decoupled(job, layout, tmp_path / "decoupled_pp2", plain.initial_weights, "shm")
+    assert_roles(results, layout, "shm")
+    assert [r["groups"]["pp"] for r in results] == [[0], [1, 2], [1, 2]]
+    assert_equals_upstream(plain, results)
+
+
+def plain_samples(count: int) -> list[dict]:
+    return sample_specs(count)
+
+
+def test_decoupled_vit_dp2_llm_dp2_equals_upstream(tmp_path):
+    """Two slices of one ViT rank and one LLM rank each (4 ranks): the ViT's DP group is
+    the 2 encoder ranks, the LLM's the 2 backbone ranks; each slice trains 2 of the 4 samples; the ``torch`` pool (point-to-point)."""
+    job = Job(samples=sample_specs(4), precision="fp32", flash_attn=True)
+    plain = run_upstream(job, tmp_path / "plain4")
+    layout = {"encoder_dp": 1, "backbone_pp": 1, "backbone_dp": 2, "max_ahead": 2}
+    results = run_decoupled(job, layout, tmp_path / "decoupled_dp2", plain.initial_weights, "torch")
+    assert_roles(results, layout, "torch")
+    assert {tuple(r["groups"]["dp"]) for r in results} == {(0, 1), (2, 3)}
+    assert_equals_upstream(plain, results)
+
