@@ -23,9 +23,35 @@ def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
     return (param.grad if param.grad is not None else torch.zeros_like(param)).reshape(-1)
 
 
+def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """Where ``param``'s gradient accumulates: Megatron DDP's ``main_grad`` buffer view when
+    the parameter has one (DDP's hooks add ``.grad`` into it during backward and clear
+    ``.grad``), else ``.grad``."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
 def flatten_grads(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The gradients of ``params`` end to end in one 1-D tensor, a missing gradient as zeros."""
-    return torch.cat([_grad_or_zeros(p) for p in params])
+    """The gradients of ``params`` (:func:`accumulated_grad`) end to end in one 1-D tensor,
+    a missing gradient as zeros."""
+    return torch.cat([g.reshape(-1) if (g := accumulated_grad(p)) is not None else torch.zeros_like(p).reshape(-1)
+                      for p in params])
+
+
+def set_accumulated_grads(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Consecutive slices of ``flat`` as the gradients of ``params``: copied into DDP's
+    ``main_grad`` where the parameter has one (what Megatron's optimizer reads), else set as
+    ``.grad``."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            value = flat[offset: offset + p.numel()]
+            offset += p.numel()
+            main = getattr(p, "main_grad", None)
+            if main is not None:
+                main.copy_(value.view_as(main))
+            else:
+                p.grad = value.view_as(p).to(p.dtype).clone()
 
 
 def scatter_flat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

@@ -8,8 +8,9 @@ of our runtime carries its own shape).
 """
 
 from mindspeed_flow.adapters.megatron import schedule as megatron_core_schedule
+from mindspeed_flow.adapters.mindspeed_mm import transpose as mindspeed_mm_transpose
 from mindspeed_flow.patching import Patch
-from mindspeed_flow.patching.versions import MEGATRON_CORE, MEGATRON_CORE_NEXT, MEGATRON_LM
+from mindspeed_flow.patching.versions import MEGATRON_CORE, MEGATRON_CORE_NEXT, MEGATRON_LM, MINDSPEED_MM, source
 
 FEATURE = "schedule"
 
@@ -30,5 +31,21 @@ PATCHES = [
         checked=(MEGATRON_LM,),
         order=5,
         description="refuse features that swap the same schedule; load --flow-schedule-config at start-up",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.vlm_model:VLMModel.__init__",
+        wrapper=mindspeed_mm_transpose.vlm_init_wrapper,
+        params="self, config",
+        checked=(source(MINDSPEED_MM),),
+        description="vlm: {transpose: true}: a whole ViT replica on every pipeline rank; the LLM chunk takes its embeddings",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.training:get_model",
+        wrapper=mindspeed_mm_transpose.get_model_wrapper,
+        params="model_provider_func, model_type, wrap_with_ddp",
+        checked=(MEGATRON_LM,),
+        description="vlm: {transpose: true}: the ViT replicas take stage 0's weights once, before the optimizer",
     ),
 ]

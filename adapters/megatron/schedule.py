@@ -28,6 +28,7 @@ from mindspeed_flow.adapters.errors import ScheduleConflict
 from mindspeed_flow.runtime import Binding, Executor, LossRules, RuntimeOptions
 from mindspeed_flow.runtime.layout import load_runtime_options, local_visits, megatron_layout, plan_for
 from mindspeed_flow.schedule import Region
+from mindspeed_flow.schedule.regions import ENCODER_REGION
 
 log = logging.getLogger("mindspeed_flow.schedule")
 
@@ -88,15 +89,18 @@ def flow_forward_backward(*, forward_step_func: Callable, data_iterator: Any, mo
     ranks = dist.get_process_group_ranks(group)
     plan = _plan(stages, len(models), num_microbatches)
     visits = local_visits(plan, rank)
-    if len(visits) != len(models):
-        raise ValueError(f"the schedule layout puts {len(visits)} chunks {visits} on pipeline rank {rank}, "
-                         f"but the model list has {len(models)}")
-    # Megatron's interleaved schedule sets the virtual pipeline rank to the chunk's index before
-    # each of its forwards and backwards (Float16Module, is_pipeline_first/last_stage read it);
-    # MindSpeed-MM leaves it at the last chunk after building the data iterators.
-    enter = [None] * len(models) if len(models) == 1 else [
-        functools.partial(parallel_state.set_virtual_pipeline_model_parallel_rank, i) for i in range(len(models))]
-    bindings = {v: Binding(m, it, e) for v, m, it, e in zip(visits, models, iterators, enter)}
+    if _transposed_vit(visits, models):
+        bindings = _transposed_bindings(visits, models[0], iterators[0])
+    else:
+        if len(visits) != len(models):
+            raise ValueError(f"the schedule layout puts {len(visits)} chunks {visits} on pipeline rank {rank}, "
+                             f"but the model list has {len(models)}")
+        # Megatron's interleaved schedule sets the virtual pipeline rank to the chunk's index before
+        # each of its forwards and backwards (Float16Module, is_pipeline_first/last_stage read it);
+        # MindSpeed-MM leaves it at the last chunk after building the data iterators.
+        enter = [None] * len(models) if len(models) == 1 else [
+            functools.partial(parallel_state.set_virtual_pipeline_model_parallel_rank, i) for i in range(len(models))]
+        bindings = {v: Binding(m, it, e) for v, m, it, e in zip(visits, models, iterators, enter)}
     key = tuple(ranks)
     executor = SETTINGS._executors.get(key)
     if executor is None:
@@ -126,6 +130,22 @@ def _plan(stages: int, chunks: int, num_microbatches: int):
         regions = (SETTINGS.layout or megatron_layout)(stages, chunks)
         plan = SETTINGS._plans[key] = plan_for(regions, num_microbatches)
     return plan
+
+
+def _transposed_vit(visits: list, models: list) -> bool:
+    """This rank runs the transposed ViT beside its one LLM chunk (``vlm: {transpose: true}``)."""
+    return (getattr(SETTINGS.layout, "transpose", False) and len(models) == 1 and len(visits) == 2
+            and visits[0][0] == ENCODER_REGION)
+
+
+def _transposed_bindings(visits: list, chunk: Any, iterator: Any) -> dict:
+    """``('vit', 0)``: the chunk's ViT replica alone; ``('llm', s)``: the chunk, which takes the
+    ViT's embeddings as its input tensor.  Both read the rank's one data iterator (the
+    runtime hands each visit its own microbatch of it)."""
+    from mindspeed_flow.adapters.mindspeed_mm.transpose import vit_stage
+
+    (vit, llm) = visits
+    return {vit: Binding(vit_stage(chunk), iterator), llm: Binding(chunk, iterator)}
 
 
 @contextlib.contextmanager
@@ -247,13 +267,31 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
         except AttributeError:
             raise ValueError(f"{path}: `vlm:` needs MindSpeed-MM's model config (args.mm.model with "
                              "image_encoder.vision_encoder and text_decoder pipeline_num_layers)") from None
+        chosen = dict(options)
+        if chosen.get("transpose"):
+            _vision_trainable_from_model(chosen, model.image_encoder, path)
         try:
-            return vlm_layout(vision, text, **options)
+            return vlm_layout(vision, text, **chosen)
         except TypeError as exc:
             raise ValueError(f"{path}: vlm: {exc}") from None
 
     from_mindspeed_mm.deferred = True  # type: ignore[attr-defined]
+    from_mindspeed_mm.transpose = bool(options.get("transpose"))  # type: ignore[attr-defined]
     return from_mindspeed_mm
+
+
+def _vision_trainable_from_model(options: dict, image_config: Any, path: str) -> None:
+    """The transposed ViT region trains when MindSpeed-MM trains any ViT part
+    (``vision_encoder.freeze`` / ``vision_projector.freeze``); a ``vision_trainable`` in the
+    file that says otherwise is refused."""
+    from mindspeed_flow.adapters.mindspeed_mm.transpose import vision_trainable
+
+    trainable = vision_trainable(image_config)
+    given = options.setdefault("vision_trainable", trainable)
+    if bool(given) != trainable:
+        raise ValueError(f"{path}: vlm: vision_trainable: {given} but MindSpeed-MM's model config "
+                         f"{'trains' if trainable else 'freezes'} the ViT (vision_encoder.freeze / "
+                         "vision_projector.freeze); leave vision_trainable out or make them agree")
 
 
 def options_from_args(args: Any) -> RuntimeOptions | None:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..flat_grads import flatten_grads, scatter_flat
+from ..flat_grads import flatten_grads, scatter_flat, set_accumulated_grads
 from ..schedule.actions import Action, Kind
 from ..schedule.keys import BoundaryKey, BoundaryKind
 from ..schedule.plan import Plan
@@ -270,13 +270,11 @@ class Step:
         self.flat[channel_of(op.action)] = flat
 
     def unpack(self, op: Op) -> None:
-        """The received parameters into the replica's, or the summed gradients as its ``.grad``."""
+        """The received parameters into the replica's, or the summed gradients as its gradients
+        (DDP's ``main_grad`` where there is one, else ``.grad``)."""
         params = self.region_params(op.action)
         flat = self.flat.pop(channel_of(op.action))
         if op.payload is Payload.PARAMS:
             scatter_flat(flat, [p.data for p in params])
             return
-        grads = [torch.empty_like(p) for p in params]
-        scatter_flat(flat, grads)
-        for p, g in zip(params, grads):
-            p.grad = g
+        set_accumulated_grads(params, flat)

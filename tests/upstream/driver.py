@@ -173,7 +173,9 @@ def train_step(model) -> dict:
             forward_step_func=forward_step, data_iterator=iter(batches), model=model,
             num_microbatches=len(batches), seq_length=args.seq_length, micro_batch_size=1,
             decoder_seq_length=args.seq_length, forward_only=False)
-    result: dict = {"microbatches": len(batches), "p2p_communicate_calls": p2p_calls[0],
+    result: dict = {"microbatches": len(batches), "p2p_communicate_calls": p2p_calls[0], "vit_replica": VIT_REPLICA,
+                    "shared_params": sorted(global_name(n) for c in model for n, p in c.named_parameters()
+                                            if getattr(p, "shared", False)),
                     "forward_backward_func": f"{forward_backward.__module__}:{forward_backward.__qualname__}"}
     if mpu.is_pipeline_last_stage():
         total = sum(float(l["loss"][0]) for l in losses)
@@ -188,10 +190,17 @@ STAGED_LAYERS = {"text_decoder.decoder.layers.": ("text_decoder",),
                  "image_encoder.encoder.blocks.layers.": ("image_encoder", "vision_encoder")}
 
 
+# Whether this stage's ViT is a replica of stage 0's (the plugin's transposed layout, ``vlm:
+# {transpose: true}``): its layers are then named as on stage 0.  Set once the model is built.
+VIT_REPLICA = False
+
+
 def _layers_before_this_stage(path: tuple[str, ...]) -> int:
     from megatron.core import mpu
     from megatron.training import get_args
 
+    if VIT_REPLICA and path[0] == "image_encoder":
+        return 0
     part = get_args().mm.model
     for key in path:
         part = getattr(part, key)
@@ -302,8 +311,10 @@ def main() -> None:
     from megatron.core.enums import ModelType
     from megatron.training.training import get_model
 
+    global VIT_REPLICA
     initialise()
     model = get_model(model_provider, ModelType.encoder_or_decoder)
+    VIT_REPLICA = any(getattr(m, "_flow_vit_replica", False) for chunk in model for m in chunk.modules())
     if JOB.get("load"):  # the same initial weights in every run, whatever RNG the patches use
         load_initial_weights(model)
     if JOB.get("save"):
