@@ -77,9 +77,9 @@ def _executor(layout: Any, groups: dict) -> Any:
         rank = dist.get_rank()
         STATE.backend = pool_backend()
         STATE.pool_name = job_pool_name()
-        if rank == 0:
-            remove_at_exit(STATE.backend, STATE.pool_name)
         STATE.pool = open_slice_pool(STATE.backend, layout, groups, STATE.pool_name, DEFAULT_POOL_BYTES)
+        if rank == 0 or STATE.pool is not None:  # any survivor of a dying rank removes the pools
+            remove_at_exit(STATE.backend, STATE.pool_name)
         ranks = layout.executor_ranks(rank)
         STATE.executor = Executor(ranks.index(rank), ranks, group=groups["replica"], options=SETTINGS.options,
                                   pool=STATE.pool)
@@ -88,7 +88,8 @@ def _executor(layout: Any, groups: dict) -> Any:
 
 
 def close() -> None:
-    """Close this rank's pool view (the job's end); rank 0 removes what the pools left."""
+    """Close this rank's pool view (the job's end); rank 0 and the pool's participants
+    remove what the pools left when they exit (:func:`~mindspeed_flow.pool.job.remove_at_exit`)."""
     if STATE.pool is not None and hasattr(STATE.pool, "close"):
         STATE.pool.close()
     STATE.pool = STATE.executor = None
@@ -103,7 +104,7 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
-    from mindspeed_flow.adapters.megatron.roles import ROLES
+    from mindspeed_flow.adapters.megatron.roles import ROLES, layout_plan
     from mindspeed_flow.adapters.megatron.schedule import _grad_sync_held
     from mindspeed_flow.runtime import Binding, LossRules
 
@@ -120,7 +121,7 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
     key = (slice_microbatches, trainable)
     plan = STATE.plans.get(key)
     if plan is None:
-        plan = STATE.plans[key] = layout.plan(slice_microbatches, trainable_encoder=trainable)
+        plan = STATE.plans[key] = layout_plan(layout, slice_microbatches, trainable)
     executor = _executor(layout, groups)
     config = get_model_config(models[0])
     loss = LossRules(config.calculate_per_token_loss, parallel_state.get_context_parallel_world_size(),

@@ -86,7 +86,8 @@ def remove_job_pools(backend: str, name: str) -> None:
 
 
 def remove_at_exit(backend: str, name: str) -> None:
-    """Remove the job's pools when this process ends (rank 0): normal exit and an exception
+    """Remove the job's pools when this process ends (rank 0 and every rank that opened
+    one, so that the survivors of a dying rank remove them): normal exit and an exception
     that ends the job, Ctrl-C included (``atexit``), and SIGTERM, which torchrun sends every
     rank when one of them died (the handler removes them, then ends the process as SIGTERM
     would).  A SIGKILLed rank 0 leaves them to a sweep of :func:`job_prefix`."""

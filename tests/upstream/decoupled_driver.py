@@ -52,6 +52,27 @@ def decoupled_layout(fields: dict):
     return DecoupledLayout(**fields)
 
 
+def dying(forward_step, rank: int):
+    """``forward_step``, or on the rank the job JSON's ``die`` names, one that ends the
+    process (``os._exit``, as a crash or an OOM kill would: no clean-up of its own) at its
+    ``call``-th forward, mid-step (the fault test)."""
+    die = driver.JOB.get("die")
+    if not die or die["rank"] != rank:
+        return forward_step
+    import os
+
+    calls = [0]
+
+    def forward_then_die(data_iterator, model):
+        calls[0] += 1
+        if calls[0] == die["call"]:
+            print(f"[decoupled driver] rank {rank} dies at forward {calls[0]}", flush=True)
+            os._exit(die.get("code", 17))
+        return forward_step(data_iterator, model)
+
+    return forward_then_die
+
+
 def main() -> None:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.enums import ModelType
@@ -79,7 +100,8 @@ def main() -> None:
     for chunk in model:
         chunk.zero_grad_buffer()
     forward_backward = get_forward_backward_func()
-    losses = forward_backward(forward_step_func=driver.forward_step, data_iterator=iter(batches), model=model,
+    step = dying(driver.forward_step, rank)
+    losses = forward_backward(forward_step_func=step, data_iterator=iter(batches), model=model,
                               num_microbatches=get_num_microbatches(), seq_length=256, micro_batch_size=1,
                               forward_only=False)
     result = {"rank": rank, "region": role.region, "stage": role.stage, "replica": replica,

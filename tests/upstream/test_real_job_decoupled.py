@@ -10,7 +10,9 @@ equal upstream's co-located single-process step on the same samples, within
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,16 +28,18 @@ DECOUPLED_STEP = "mindspeed_flow.adapters.megatron.decoupled_step:decoupled_forw
 SHM = Path("/dev/shm")
 
 
-def run_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str) -> list[dict]:
+def start_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str,
+                    die: dict | None = None) -> tuple[int, str, int]:
     """``decoupled_driver.py`` under torchrun on ``layout``'s world, with the plugin and
-    ``--flow-pool-backend backend``."""
+    ``--flow-pool-backend backend``: its return code, output and world size."""
     workdir.mkdir(parents=True, exist_ok=True)
     model_json = workdir / "model.json"
     model_json.write_text(json.dumps(job.model_json(), indent=1))
     world = layout["backbone_dp"] * (layout["encoder_dp"] + layout["backbone_pp"])
     spec = {"samples": job.samples, "layout": job.layout, "decoupled": layout,
             "result": str(workdir / "result_{rank}.json"), "grads": str(workdir / "grads_{rank}.pt"),
-            "captures": str(workdir / "captures_{rank}.pt"), "capture": [], "load": str(load), "save": None}
+            "captures": str(workdir / "captures_{rank}.pt"), "capture": [], "load": str(load), "save": None,
+            "die": die}
     (workdir / "job.json").write_text(json.dumps(spec))
     env = upstream_env(upstream_sources(), workdir)
     env["MINDSPEED_FLOW_HARNESS_JOB"] = str(workdir / "job.json")
@@ -45,8 +49,14 @@ def run_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: st
                "-m", "mindspeed_flow.launch", str(DRIVER), *job.megatron_args(model_json), "--use-flowtrain",
                "--flow-pool-backend", backend]
     returncode, output = _run_in_own_group(command, workdir, env)
+    return returncode, output, world
+
+
+def run_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str) -> list[dict]:
+    """:func:`start_decoupled`, which must succeed; every rank's result and gradients."""
+    returncode, output, world = start_decoupled(job, layout, workdir, load, backend)
     if returncode != 0:
-        raise RuntimeError(f"decoupled run failed ({returncode}): {' '.join(command)}\n{output[-30000:]}")
+        raise RuntimeError(f"decoupled run failed ({returncode}) in {workdir}\n{output[-30000:]}")
     results = [json.loads((workdir / f"result_{r}.json").read_text()) for r in range(world)]
     for r in results:
         r["grads"] = torch.load(workdir / f"grads_{r['rank']}.pt", weights_only=True)
@@ -108,6 +118,27 @@ def test_decoupled_vit_on_one_rank_llm_pp2_equals_upstream(runs, tmp_path):
     assert_roles(results, layout, "shm")
     assert [r["groups"]["pp"] for r in results] == [[0], [1, 2], [1, 2]]
     assert_equals_upstream(plain, results)
+
+
+def test_an_encoder_rank_dying_mid_step_ends_every_rank_naming_it_and_the_pool_goes(runs, tmp_path):
+    """The ViT rank (rank 0) of the 3-rank layout ends (``os._exit(17)``, no clean-up of its
+    own) at its second forward, with embeddings in the ``shm`` pool: the job fails naming
+    rank 0 and its exit code, no rank is left running (the run returned), no rank wrote a
+    result, and the survivors removed the job's pool from ``/dev/shm``."""
+    plain = runs.get("fp32_plain")
+    layout = {"encoder_dp": 1, "backbone_pp": 2, "backbone_dp": 1, "max_ahead": 2}
+    job = Job(samples=plain_samples(3), precision="fp32", flash_attn=True, pp=2)
+    before = set(SHM.glob("*mjob*"))
+    started = time.monotonic()
+    returncode, output, world = start_decoupled(job, layout, tmp_path / "dies", plain.initial_weights, "shm",
+                                                die={"rank": 0, "call": 2, "code": 17})
+    elapsed = time.monotonic() - started
+    assert returncode != 0, output[-3000:]
+    assert "rank 0 dies at forward 2" in output
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*17", output), output[-3000:]
+    assert not list((tmp_path / "dies").glob("result_*.json"))
+    assert set(SHM.glob("*mjob*")) <= before, "the pool outlived the job"
+    assert elapsed < 300
 
 
 def plain_samples(count: int) -> list[dict]:

@@ -36,6 +36,18 @@ def test_a_world_that_is_not_the_layouts_is_refused_naming_both():
     roles.check_world(layout(encoder_dp=1, backbone_pp=2, backbone_dp=1), 3)
 
 
+@pytest.mark.parametrize("fields, parsed, reason", [
+    ({"encoder_dp": 2}, {}, "encoder_dp 2 > 1"),
+    ({"backbone_tp": 2}, {}, "backbone_tp 2 > 1"),
+    ({}, {"save": "/ckpt"}, "--save /ckpt"),
+    ({}, {"load": "/ckpt"}, "--load /ckpt"),
+])
+def test_what_this_version_does_not_run_is_refused_with_the_reason(fields, parsed, reason):
+    with pytest.raises(ValueError, match=f"does not run here yet: .*{reason}"):
+        roles.check_supported(layout(**fields), SimpleNamespace(**parsed))
+    roles.check_supported(layout(), SimpleNamespace(save=None, load=None))
+
+
 def test_role_world_answers_for_the_role_and_puts_torch_distributed_back():
     real = dist.get_world_size, dist.get_rank, dist.new_group
     encoder, backbone = roles.role_configs(layout(encoder_dp=1, backbone_pp=2, backbone_dp=1))
