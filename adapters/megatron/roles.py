@@ -77,6 +77,19 @@ def role_configs(layout: Any) -> tuple[RoleConfig, RoleConfig]:
             RoleConfig(BACKBONE_REGION, tuple(layout.backbone_ranks), layout.backbone_tp, layout.backbone_pp))
 
 
+def layout_class() -> type:
+    """The core's ``DecoupledLayout`` wherever it is kept (issue 22 moves it from
+    ``mindspeed_flow.pool.decoupled`` into the ``mindspeed_flow.decoupled`` package)."""
+    try:
+        from mindspeed_flow.decoupled import DecoupledLayout
+    except ImportError:
+        try:
+            from mindspeed_flow.decoupled.layout import DecoupledLayout
+        except ImportError:
+            from mindspeed_flow.pool.decoupled import DecoupledLayout
+    return DecoupledLayout
+
+
 def layout_groups(layout: Any) -> dict[str, Any]:
     """The runtime's groups of ``layout`` wherever the core keeps them: the decoupled
     package's ``new_groups`` (issue 22 moves them there), else the layout's own method."""

@@ -44,12 +44,10 @@ import driver  # noqa: E402  (MindSpeed's adaptor first, as pretrain_vlm.py; the
 
 
 def decoupled_layout(fields: dict):
-    """The layout class wherever the core keeps it (it moves to ``mindspeed_flow.decoupled``)."""
-    try:
-        from mindspeed_flow.decoupled import DecoupledLayout
-    except ImportError:
-        from mindspeed_flow.pool.decoupled import DecoupledLayout
-    return DecoupledLayout(**fields)
+    """The layout, its class wherever the core keeps it (``roles.layout_class``)."""
+    from mindspeed_flow.adapters.megatron.roles import layout_class
+
+    return layout_class()(**fields)
 
 
 def dying(forward_step, rank: int):

@@ -15,11 +15,7 @@ from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
 
 
 def layout(**fields):
-    try:
-        from mindspeed_flow.decoupled import DecoupledLayout
-    except ImportError:
-        from mindspeed_flow.pool.decoupled import DecoupledLayout
-    return DecoupledLayout(**fields)
+    return roles.layout_class()(**fields)
 
 
 def test_role_configs_split_the_world_encoder_first():
