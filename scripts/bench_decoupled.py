@@ -49,7 +49,7 @@ from mindspeed_flow.loopback import tcp_store_server
 from mindspeed_flow.pool import open_pool
 from mindspeed_flow.pool.availability import backend_status
 from mindspeed_flow.pool.mooncake import OPT_IN_ENV, listen_opt_in
-from mindspeed_flow.pool.decoupled import DecoupledLayout
+from mindspeed_flow.decoupled import DecoupledLayout
 from mindspeed_flow.runtime import Binding, Executor, RuntimeOptions, WaitPolicy
 from mindspeed_flow.schedule import OneFOneB, Region, compose
 

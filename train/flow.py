@@ -5,8 +5,11 @@ Encoder ranks run the ViT (``PatchEmbedMatmul``, varlen attention within each im
 ``PUT`` each microbatch's embeddings into the pool; the backbone ranks are megatron-core's
 GPT cut into pipeline stages (packed THD batches through the plugin's ``fused_attn`` patch,
 no dense mask), whose first stage ``GET``s the embeddings and ``PUT``s their gradients back
-(:class:`~mindspeed_flow.pool.decoupled.DecoupledLayout`, run by
-:class:`~mindspeed_flow.runtime.Executor`).  Each backbone replica trains its contiguous
+(:class:`~mindspeed_flow.decoupled.DecoupledLayout`, run by
+:class:`~mindspeed_flow.runtime.Executor`).  What makes the decoupled step - placement,
+groups, plan, gradient averaging, the allocator plan as a layout - is the core's
+(:mod:`mindspeed_flow.decoupled`, which the real job's patches call too); this module only
+asks the allocator with the tiny model's numbers and builds this rank's modules.  Each backbone replica trains its contiguous
 share of the step's packs.  Each microbatch's loss is its share of the step loss and the
 executor divides by nothing (``calculate_per_token_loss``, as the baseline's Megatron);
 ``grad_scale_func`` multiplies by the backbone replica count, which
@@ -26,8 +29,9 @@ from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
 from mindspeed_flow.train.stamps import executor_intervals
 from mindspeed_flow.train.trainer import LocalStep, Trainer, replica_share
 
+from mindspeed_flow.decoupled import DecoupledLayout, describe_plan, layout_from_plan, unrealisable
+
 if TYPE_CHECKING:
-    from mindspeed_flow.pool.decoupled import DecoupledLayout
     from mindspeed_flow.train.config import TrainConfig
     from mindspeed_flow.train.feed import StepData
     from mindspeed_flow.train.launch import DistEnv
@@ -45,7 +49,7 @@ class FlowLayout:
     """Where FlowTrain puts the model: the decoupled layout, the LLM layers per backbone
     stage, and how it was chosen (the allocator's plan, or why the config's layout)."""
 
-    decoupled: "DecoupledLayout"
+    decoupled: DecoupledLayout
     layer_split: tuple[int, ...]
     plan_text: str
     from_allocator: bool
@@ -61,7 +65,6 @@ def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
     :class:`DecoupledLayout` of ``world_size`` ranks runs (the allocator is asked for exactly
     those, :func:`allocator_plan`); otherwise, or when no such plan exists, the config's
     ``flow_encoder_dp`` / ``flow_backbone_pp`` / ``flow_backbone_dp``, with the reason."""
-    from mindspeed_flow.pool.decoupled import DecoupledLayout
     from mindspeed_flow.train.trainer import even_split
 
     lay = cfg.layout
@@ -69,12 +72,10 @@ def flow_layout(cfg: "TrainConfig", world_size: int) -> FlowLayout:
     if lay.use_allocator:
         plan, reason = allocator_plan(cfg, world_size)
         if plan is not None:
-            b = plan.backbone
-            decoupled = DecoupledLayout(encoder_dp=plan.encoder.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp,
-                                        max_ahead=lay.max_ahead, encoder_layers=cfg.model.vit_layers,
-                                        backbone_layers=cfg.model.llm_layers)
-            return FlowLayout(decoupled, tuple(b.layer_split), f"allocator plan used: {describe_plan(plan)} ({reason})",
-                              from_allocator=True)
+            decoupled = layout_from_plan(plan, max_ahead=lay.max_ahead).with_layers(cfg.model.vit_layers,
+                                                                                    cfg.model.llm_layers)
+            return FlowLayout(decoupled, tuple(plan.backbone.layer_split),
+                              f"allocator plan used: {describe_plan(plan)} ({reason})", from_allocator=True)
     decoupled = DecoupledLayout(encoder_dp=lay.flow_encoder_dp, backbone_pp=lay.flow_backbone_pp,
                                 backbone_dp=lay.flow_backbone_dp, max_ahead=lay.max_ahead,
                                 encoder_layers=cfg.model.vit_layers, backbone_layers=cfg.model.llm_layers)
@@ -128,36 +129,6 @@ def allocator_plan(cfg: "TrainConfig", world_size: int) -> tuple[Any, str]:
     if why:  # the allocator's requirements and this runtime disagree: a bug, not a fallback
         raise RuntimeError(f"the allocator's runnable plan cannot run here: {why}: {describe_plan(plan)}")
     return plan, f"best without the runtime's requirements: {describe_plan(free)}"
-
-
-def unrealisable(plan: Any, world_size: int) -> str:
-    """Why a :class:`DecoupledLayout` of ``world_size`` CPU ranks cannot run ``plan``
-    (``""`` when it can)."""
-    from mindspeed_flow.allocator.plan import DECOUPLED
-    from mindspeed_flow.pool.decoupled import DecoupledLayout
-
-    b, e = plan.backbone, plan.encoder
-    if plan.placement != DECOUPLED:
-        return "the allocator's plan is co-located (ViT inside stage 0), not a decoupled layout"
-    if e.tp != 1 or b.tp != 1:
-        return "the allocator's plan uses tensor parallelism, which the CPU run does not"
-    if e.dp % b.dp:
-        return f"the plan's {e.dp} encoder replicas do not split over its {b.dp} backbone replicas"
-    if plan.devices != world_size:
-        return f"the plan uses {plan.devices} of the {world_size} ranks"
-    try:
-        DecoupledLayout(encoder_dp=e.dp // b.dp, backbone_pp=b.pp, backbone_dp=b.dp).megatron_parallel_kwargs()
-    except ValueError as exc:
-        return str(exc)
-    return ""
-
-
-def describe_plan(plan: Any) -> str:
-    """One line per allocator plan for the report's plan text: its shape and what the
-    allocator predicted, so a reader sees why it was (or was not) the run's layout."""
-    e, b, p = plan.encoder, plan.backbone, plan.predicted
-    return (f"{plan.placement}: encoder dp={e.dp} tp={e.tp}; backbone pp={b.pp} dp={b.dp} tp={b.tp} "
-            f"layers {list(b.layer_split)}; predicted {p.throughput:.3g} samples/s, bubble {p.bubble_fraction:.0%}")
 
 
 class FlowTrainer(Trainer):

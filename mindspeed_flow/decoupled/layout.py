@@ -1,43 +1,46 @@
-"""FlowTrain's decoupled layout: encoder ranks of their own produce embeddings into the
-pool, backbone ranks consume them.
+"""Where a decoupled layout puts its ranks: encoder ranks of their own produce embeddings
+into the pool, backbone ranks consume them.
 
 One world, two parallel configs (encoder DP x TP, backbone DP x TP x PP), each with its own
-process groups.  A *slice* is one backbone replica with its encoder replicas:
-``encoder_dp`` encoder replicas (microbatch ``m`` on replica ``m % encoder_dp``, at most
-``max_ahead`` microbatches ahead of their backward) and a ``backbone_pp``-stage pipeline.
-The step is the composed plan of ``<Decoupled, 1F1B>``: encoder forwards ``PUT`` their
-embeddings, the first backbone stage ``GET``s each microbatch's embeddings when it needs
-them (whichever replica made them), and ``PUT``s their gradients back, which the owning
-replica ``GET``s for its backward; the replicas then reduce their weight gradients among
-themselves only (the plan's ``REDUCE`` over the encoder replicas).  The math is synchronous
-training's: same samples, same gradients; only the timing is decoupled.
+process groups (:mod:`.groups`).  A *slice* is one backbone replica with its encoder
+replicas: ``encoder_dp`` encoder replicas (microbatch ``m`` on replica ``m % encoder_dp``,
+at most ``max_ahead`` microbatches ahead of their backward) and a ``backbone_pp``-stage
+pipeline, which run the slice's composed plan (:mod:`.plan`).
 
 Tensor parallelism: every encoder replica is ``encoder_tp`` ranks, every backbone stage
 ``backbone_tp`` ranks, and *every* TP rank runs the slice's plan (:meth:`executor_ranks`:
 the plan's ranks at its own TP rank), so the plan's sends and the encoder's ``REDUCE`` pair
 same-TP-rank peers.  Only the TP rank 0 of a group (its leader) touches the pool; it
-broadcasts what it gets to its TP group (:class:`~.tensor_parallel.TensorParallelPool`).
+broadcasts what it gets to its TP group (:class:`~mindspeed_flow.pool.tensor_parallel.TensorParallelPool`).
 
 Placement (global ranks): encoder ranks first, slice by slice, replica by replica, TP ranks
 consecutive; then the backbone, slice by slice, stage by stage, TP ranks consecutive:
 Megatron's ``order="tp-cp-ep-pp-dp"`` when the encoder ranks fill whole blocks of
 ``backbone_tp * backbone_pp`` ranks (:meth:`megatron_parallel_kwargs` checks it).
 With ``backbone_dp > 1`` each slice trains its own share of the global batch
-(:meth:`microbatches`) with its own pool namespace; after the step the backbone averages
-its gradients over its data-parallel group (same stage and TP rank, every slice) and the
-encoder over its own (same TP rank, every encoder replica) - :meth:`average_grads`.
+(:meth:`microbatches`) with its own pool namespace; after the step each role averages its
+gradients over its own data-parallel replicas (:mod:`.grads`).
+
+The sizes are the layout; the layer counts only weigh the plan's costs and come from the
+model (:meth:`with_layers`), so a layout read from a file or an allocator plan is complete
+before the model config is read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..schedule import Decoupled, OneFOneB, Region, compose
-from ..schedule.plan import Plan
 from ..schedule.regions import BACKBONE_REGION as BACKBONE
 from ..schedule.regions import ENCODER_REGION as ENCODER
+from . import grads as _grads
+from . import groups as _groups
+from . import plan as _plan
+from .errors import LayoutError
+
+if TYPE_CHECKING:
+    from ..schedule import Region
+    from ..schedule.plan import Plan
 
 MEGATRON_ORDER = "tp-cp-ep-pp-dp"
 
@@ -83,7 +86,7 @@ class DecoupledLayout:
                                                         "backbone_dp")}
         bad = {name: size for name, size in sizes.items() if size < 1}
         if bad:
-            raise ValueError(f"DecoupledLayout: {', '.join(sizes)} must be >= 1, got {bad}")
+            raise LayoutError(f"DecoupledLayout: {', '.join(sizes)} must be >= 1, got {bad}")
 
     # ------------------------------------------------------------------ placement
 
@@ -112,7 +115,7 @@ class DecoupledLayout:
         """``Role("vit", 0, t)`` for TP rank ``t`` of an encoder replica (its chunk is stage
         0 of the encoder region), ``Role("llm", s, t)`` for TP rank ``t`` of backbone stage ``s``."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"DecoupledLayout: rank {rank} outside the world of {self.world_size}")
+            raise LayoutError(f"DecoupledLayout: rank {rank} outside the world of {self.world_size}")
         encoders = len(self.encoder_ranks)
         if rank < encoders:
             return Role(ENCODER, 0, rank % self.encoder_tp)
@@ -138,7 +141,7 @@ class DecoupledLayout:
         """Plan rank -> global rank of backbone replica ``replica``'s slice at the given TP
         ranks (its encoder replicas, then its pipeline stages)."""
         if not 0 <= replica < self.backbone_dp:
-            raise ValueError(f"DecoupledLayout: backbone replica {replica} outside 0..{self.backbone_dp - 1}")
+            raise LayoutError(f"DecoupledLayout: backbone replica {replica} outside 0..{self.backbone_dp - 1}")
         return ([self.encoder_rank(replica, e, encoder_tp_rank) for e in range(self.encoder_dp)]
                 + [self.backbone_rank(replica, s, backbone_tp_rank) for s in range(self.backbone_pp)])
 
@@ -147,7 +150,7 @@ class DecoupledLayout:
         first backbone stage's TP leaders (the others see the pool through them)."""
         return [*self.replica_ranks(replica)[:self.encoder_dp], self.backbone_rank(replica, 0)]
 
-    def _slice_tp_ranks(self, t: int) -> tuple[int, int]:
+    def slice_tp_ranks(self, t: int) -> tuple[int, int]:
         """Slice ``t`` pairs encoder TP rank ``t`` with backbone TP rank ``t`` (rank 0 on the
         side with fewer TP ranks: that side talks to the other only through the pool)."""
         return (t if t < self.encoder_tp else 0), (t if t < self.backbone_tp else 0)
@@ -155,14 +158,14 @@ class DecoupledLayout:
     def executor_ranks(self, rank: int) -> list[int]:
         """The ``ranks`` of ``rank``'s :class:`~mindspeed_flow.runtime.Executor` (plan rank
         -> global rank); ``rank``'s plan rank is its index in it."""
-        return self.replica_ranks(self.replica(rank), *self._slice_tp_ranks(self.role(rank).tp_rank))
+        return self.replica_ranks(self.replica(rank), *self.slice_tp_ranks(self.role(rank).tp_rank))
 
     def microbatches(self, replica: int, num_microbatches: int) -> list[int]:
         """The global batch's microbatches backbone replica ``replica`` trains (a contiguous
         share; each replica's plan numbers them 0, 1, ...)."""
         if num_microbatches % self.backbone_dp:
-            raise ValueError(f"DecoupledLayout: {num_microbatches} microbatches do not split over "
-                             f"backbone_dp={self.backbone_dp} replicas")
+            raise LayoutError(f"DecoupledLayout: {num_microbatches} microbatches do not split over "
+                              f"backbone_dp={self.backbone_dp} replicas")
         share = num_microbatches // self.backbone_dp
         self.replica_ranks(replica)  # range check
         return list(range(replica * share, (replica + 1) * share))
@@ -170,95 +173,43 @@ class DecoupledLayout:
     def megatron_parallel_kwargs(self) -> dict[str, Any]:
         """Arguments of Megatron's ``parallel_state.initialize_model_parallel`` that make its
         tensor- and pipeline-parallel groups this layout's backbone groups (every rank calls
-        it; the encoder ranks' blocks build no backbone).  Raises ``ValueError`` when the
+        it; the encoder ranks' blocks build no backbone).  Raises :class:`~.errors.LayoutError` when the
         encoder ranks do not fill whole ``backbone_tp * backbone_pp`` blocks."""
         block = self.backbone_tp * self.backbone_pp
         if len(self.encoder_ranks) % block:
-            raise ValueError(
+            raise LayoutError(
                 f"DecoupledLayout: {len(self.encoder_ranks)} encoder ranks are not a multiple of backbone_tp * "
                 f"backbone_pp = {block}: Megatron's {MEGATRON_ORDER} blocks would not be the backbone's pipelines")
         return {"tensor_model_parallel_size": self.backbone_tp, "pipeline_model_parallel_size": self.backbone_pp,
                 "order": MEGATRON_ORDER}
 
+    def check_world_size(self, world_size: int, source: str) -> None:
+        """Refuse a job whose world is not this layout's, naming both numbers and where the
+        layout came from (``source``: a file, a plan)."""
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"{source}: the decoupled layout needs {self.world_size} ranks (encoder {len(self.encoder_ranks)} = "
+                f"{self.encoder_dp * self.backbone_dp} replicas x tp {self.encoder_tp}, backbone "
+                f"{len(self.backbone_ranks)} = dp {self.backbone_dp} x pp {self.backbone_pp} x tp {self.backbone_tp}), "
+                f"but the job's world size is {world_size}")
+
+    def with_layers(self, encoder_layers: int, backbone_layers: int) -> "DecoupledLayout":
+        """The same layout with the model's layer counts (they weigh the plan's costs)."""
+        return replace(self, encoder_layers=encoder_layers, backbone_layers=backbone_layers)
+
     # ------------------------------------------------------------------ the step
 
-    def regions(self, trainable_encoder: bool = True) -> list[Region]:
-        return [Region(ENCODER, self.encoder_layers, Decoupled(ranks=self.encoder_dp, max_in_flight=self.max_ahead),
-                       trainable=trainable_encoder),
-                Region(BACKBONE, self.backbone_layers, OneFOneB(stages=self.backbone_pp))]
+    def regions(self, trainable_encoder: bool = True) -> "list[Region]":
+        return _plan.regions(self, trainable_encoder)
 
-    def plan(self, num_microbatches: int, trainable_encoder: bool = True) -> Plan:
-        """One slice's per-rank programs over its ``num_microbatches`` (validated by the
-        runtime before it runs); plan rank ``i`` is global rank ``executor_ranks(rank)[i]``."""
-        return compose(self.regions(trainable_encoder), num_microbatches)
+    def plan(self, num_microbatches: int, trainable_encoder: bool = True) -> "Plan":
+        """One slice's per-rank programs (:func:`.plan.slice_plan`)."""
+        return _plan.slice_plan(self, num_microbatches, trainable_encoder)
 
     def new_groups(self) -> dict[str, Any]:
-        """This rank's process groups (collective over the world: every rank calls it, in
-        the same order):
-
-        - ``"vit"`` every encoder rank, ``"llm"`` every backbone rank;
-        - ``"tp"`` this rank's TP group (encoder replica or backbone stage);
-        - ``"replica"`` the ranks of this rank's executor (:meth:`executor_ranks`);
-        - ``"pool"`` its slice's :meth:`pool_ranks` (the ``group`` of a ``torch`` pool;
-          ``None`` on the other ranks);
-        - ``"vit_dp"`` this encoder TP rank over every encoder replica of every slice
-          (``None`` on backbone ranks);
-        - ``"llm_dp"`` this backbone stage and TP rank over every slice (``None`` on
-          encoder ranks)."""
-        import torch.distributed as dist
-
-        rank = dist.get_rank()
-        role = self.role(rank)
-        groups: dict[str, Any] = {ENCODER: dist.new_group(self.encoder_ranks),
-                                  BACKBONE: dist.new_group(self.backbone_ranks), "vit_dp": None, "llm_dp": None,
-                                  "pool": None}
-        mine = self.tp_group_ranks(rank)
-        for first in [*self.encoder_ranks[::self.encoder_tp], *self.backbone_ranks[::self.backbone_tp]]:
-            members = self.tp_group_ranks(first)
-            group = dist.new_group(members)
-            if members == mine:
-                groups["tp"] = group
-        executor = self.executor_ranks(rank)
-        for replica in range(self.backbone_dp):
-            for t in range(max(self.encoder_tp, self.backbone_tp)):
-                members = self.replica_ranks(replica, *self._slice_tp_ranks(t))
-                group = dist.new_group(members)
-                if members == executor:
-                    groups["replica"] = group
-        for replica in range(self.backbone_dp):
-            group = dist.new_group(self.pool_ranks(replica))
-            if rank in self.pool_ranks(replica):
-                groups["pool"] = group
-        for t in range(self.encoder_tp):
-            group = dist.new_group(self.encoder_ranks[t::self.encoder_tp])
-            if role == (ENCODER, 0, t):
-                groups["vit_dp"] = group
-        for stage in range(self.backbone_pp):
-            for t in range(self.backbone_tp):
-                group = dist.new_group([self.backbone_rank(r, stage, t) for r in range(self.backbone_dp)])
-                if role == (BACKBONE, stage, t):
-                    groups["llm_dp"] = group
-        return groups
+        """This rank's process groups (:func:`.groups.new_groups`; collective)."""
+        return _groups.new_groups(self)
 
     def average_grads(self, module: Any, groups: dict[str, Any]) -> None:
-        """Make this rank's gradients the global batch's: each slice's executor scaled its
-        losses by its own microbatch count and summed over its encoder replicas, so the
-        backbone averages over its ``backbone_dp`` replicas and the encoder over its
-        ``encoder_dp * backbone_dp`` replicas (each slice's sum counted once per replica),
-        each over peers of the same TP rank (they hold the same shard), in one all-reduce
-        per gradient dtype (:func:`average_coalesced`)."""
-        import torch.distributed as dist
-
-        region = self.role(dist.get_rank()).region
-        group, count = ((groups["vit_dp"], self.encoder_dp * self.backbone_dp) if region == ENCODER
-                        else (groups["llm_dp"], self.backbone_dp))
-        average_coalesced(module.named_parameters(), group, count)
-
-
-def average_coalesced(named_parameters: Iterable[tuple[str, Any]], group: Any, count: int) -> None:
-    """Average the gradients of ``named_parameters`` over ``group`` (sum, then divide by
-    ``count``) in one flat all-reduce per parameter dtype; every peer must agree on which
-    parameters have a gradient (:func:`mindspeed_flow.flat_grads.all_reduce_flat_grads`)."""
-    from mindspeed_flow.flat_grads import all_reduce_flat_grads
-
-    all_reduce_flat_grads(named_parameters, group, divide_by=count, agree_on_missing=True)
+        """Average ``module``'s gradients over this rank's role's replicas (:func:`.grads.average_grads`)."""
+        _grads.average_grads(self, module, groups)

@@ -33,7 +33,7 @@ def _grads(module: nn.Module, rank: int) -> None:
 def _worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from mindspeed_flow.pool.decoupled import average_coalesced
+    from mindspeed_flow.decoupled import average_coalesced
 
     calls = []
     all_reduce = dist.all_reduce

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from mindspeed_flow.pool.decoupled import DecoupledLayout
+from mindspeed_flow.decoupled import DecoupledLayout
 from tests.runtime.test_vlm import MICROBATCHES
 from markers import requires_megatron_core
 
@@ -76,7 +76,7 @@ def launch_against_reference(worker, world_size: int, name: str, pool_names: lis
     """The single-process reference, then ``worker(rank, world_size, reference_weights,
     name)`` on ``world_size`` gloo ranks; the shm pools ``pool_names`` are destroyed after."""
     from megatron_cpu_harness import launch
-    from tests.pool.test_decoupled_vlm import _reference
+    from tests.decoupled.test_step_vlm import _reference
 
     from mindspeed_flow.pool.shm import destroy
 

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from mindspeed_flow.pool.decoupled import DecoupledLayout
+from mindspeed_flow.decoupled import DecoupledLayout
 from pool_tensor_parallel import shard
 from markers import requires_megatron_core
 
@@ -44,7 +44,7 @@ if os.environ.get("MINDSPEED_FLOW_POOL_WIDE") == "1":  # too slow for the defaul
 @pytest.fixture(scope="module")
 def reference():
     from megatron_cpu_harness import launch
-    from tests.pool.test_decoupled_vlm import _reference
+    from tests.decoupled.test_step_vlm import _reference
 
     (result,) = launch(_reference, 1, timeout_s=180)
     return result

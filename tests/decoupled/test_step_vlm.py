@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from mindspeed_flow.pool.decoupled import DecoupledLayout
+from mindspeed_flow.decoupled import DecoupledLayout
 from tests.runtime.test_vlm import MICROBATCHES
 from markers import requires_megatron_core
 

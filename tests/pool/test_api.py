@@ -76,19 +76,6 @@ def test_bad_input_is_refused_naming_the_key():
         drop("bad-input")
 
 
-def test_decoupled_layout_roles_and_plan():
-    from mindspeed_flow.pool.decoupled import DecoupledLayout
-
-    layout = DecoupledLayout(encoder_dp=2, backbone_pp=2, max_ahead=1)
-    plan = layout.plan(4)
-    assert [layout.role(r) for r in range(4)] == [("vit", 0, 0), ("vit", 0, 0), ("llm", 0, 0), ("llm", 1, 0)]
-    kinds = {r: [a.kind.value for a in p] for r, p in plan.programs.items()}
-    assert kinds[0].count("PUT") == 2 and kinds[0].count("GET") == 2 and kinds[0][-1] == "REDUCE"
-    assert "PUT" not in kinds[3] and "GET" not in kinds[3]
-    with pytest.raises(ValueError, match="rank 4 outside"):
-        layout.role(4)
-
-
 def _tensor_parallel_pool(rank, world_size):
     """Rank 0 (the TP leader) holds a local pool; both ranks get through the TP view."""
     import torch.distributed as dist

@@ -4,7 +4,7 @@
 The replica's linear layers are split over its TP group (column-parallel, then
 row-parallel, Megatron's pairing: one all-reduce in the forward, one in the backward), so
 every TP rank ends the forward holding the same, whole output.  Every TP rank runs the
-slice's plan (:meth:`mindspeed_flow.pool.decoupled.DecoupledLayout.executor_ranks`); only the replica's TP
+slice's plan (:meth:`mindspeed_flow.decoupled.DecoupledLayout.executor_ranks`); only the replica's TP
 leader puts the embeddings and gets their gradient, which it broadcasts to the others
 (:class:`mindspeed_flow.pool.tensor_parallel.TensorParallelPool`).  A shard carries Megatron's attributes
 (``tensor_model_parallel``, ``partition_dim``), so code that handles Megatron's TP

@@ -295,32 +295,6 @@ def test_flow_timeline_has_pool_puts_and_gets(ranks):
 # --------------------------------------------------------------------------- layouts (one process)
 
 
-def _plan(encoder_dp, backbone_pp, backbone_dp, *, tp=1, placement="decoupled"):
-    from mindspeed_flow.allocator import AllocationPlan, BackboneConfig, EncoderConfig, Prediction
-
-    split = [2 // backbone_pp or 1] * backbone_pp
-    return AllocationPlan(EncoderConfig(encoder_dp, tp, 1), BackboneConfig(backbone_dp, tp, backbone_pp, 1, split), 4,
-                Prediction(1.0, 1.0, 1.0, 0.1, 0.0, 1.0, 4, 1.0, 1.0), placement=placement)
-
-
-@pytest.mark.parametrize("plan, reason", [
-    ((2, 2, 1), ""),
-    ((4, 1, 2), "uses 6 of the 4 ranks"),
-    ((2, 2, 1, "tp"), "tensor parallelism"),
-    ((2, 2, 1, "colocated"), "co-located"),
-    ((3, 1, 2), "3 encoder replicas do not split over its 2 backbone replicas"),
-    ((1, 3, 1), "not a multiple of backbone_tp * backbone_pp = 3"),
-], ids=["realisable", "devices", "tp", "colocated", "encoder-split", "megatron-blocks"])
-def test_allocator_plans_flowtrain_cannot_run_say_why(plan, reason):
-    from mindspeed_flow.train.flow import unrealisable
-
-    sizes, kind = plan[:3], plan[3:]
-    built = _plan(*sizes, tp=2 if kind == ("tp",) else 1,
-                  placement="colocated" if kind == ("colocated",) else "decoupled")
-    why = unrealisable(built, 4)
-    assert (reason in why and why) if reason else why == ""
-
-
 def test_demo_runs_the_allocators_plan_for_its_ranks():
     """With the demo config's ranks the unconstrained best plan is co-located (no
     DecoupledLayout runs it); asked for runnable plans only (decoupled, Megatron's blocks,
