@@ -10,13 +10,16 @@ set there.
 
 The plan comes from ``--flow-allocator-plan`` (command line, or ``MINDSPEED_FLOW_FLAGS``), as
 the config tree holds it (:func:`mindspeed_flow.activation.flow_config`).
-Only a co-located plan (the encoder inside the backbone's stage 0, upstream's own layout)
-is applied.  A decoupled plan (the encoder on devices of its own, feeding the backbone
-through the pool) is refused at start-up with the reason, at any world size: this version
-runs that layout only in ``mindspeed-flow train``, and applying its backbone sizes alone
-would run, without a word, another plan than the one the allocator chose.  A co-located
-plan that cannot fit the job fails at start-up with both numbers named: a world size other
-than the backbone's devices, or a layer count that is not the plan's.
+A co-located plan (the encoder inside the backbone's stage 0, upstream's own layout) is
+applied.  A decoupled plan (the encoder on devices of its own, feeding the backbone through
+the pool) is exactly a :class:`~mindspeed_flow.decoupled.DecoupledLayout`
+(:func:`.decoupled_layout.decoupled_layout`); it runs only where the ``decoupled`` feature's
+patches are on, and is refused at start-up with the reason otherwise (applying its backbone
+sizes alone would run, without a word, another plan than the one the allocator chose).
+With that feature the job's world must be the plan's devices (both numbers named otherwise)
+and the roles' patches give each rank its role's sizes.  A plan that cannot fit the job
+fails at start-up with both numbers named: a world size other than its devices, or a layer
+count that is not the plan's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from mindspeed_flow.allocator.errors import AllocatorError
 from mindspeed_flow.allocator.plan import COLOCATED, AllocationPlan
 from mindspeed_flow.allocator.upstream import megatron_split_settings, mindspeed_mm_model
 from mindspeed_flow.activation import flow_config
+from mindspeed_flow.adapters.megatron.decoupled_layout import decoupled_step_installed, refuse_without_decoupled_step
+from mindspeed_flow.decoupled import LayoutError, layout_from_plan
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +49,7 @@ def plan_path(namespace: argparse.Namespace) -> str:
 def refuse_decoupled(plan: AllocationPlan, where: str, world: int | None = None) -> None:
     """A decoupled plan is refused, naming why and what to plan instead (its best co-located
     alternative when the file holds one)."""
-    if plan.placement == COLOCATED:
+    if plan.placement == COLOCATED or decoupled_step_installed():
         return
     enc, bb = plan.encoder, plan.backbone
     job = f" (this job: world size {world})" if world is not None else ""
@@ -57,9 +62,9 @@ def refuse_decoupled(plan: AllocationPlan, where: str, world: int | None = None)
     raise AllocatorError(
         f"{where}: refusing a decoupled plan: its encoder runs on {enc.devices} devices of its own "
         f"(dp {enc.dp} x tp {enc.tp}) and feeds the backbone (dp {bb.dp} x tp {bb.tp} x pp {bb.pp}, "
-        f"{bb.devices} devices) through the memory pool, {plan.devices} devices in all{job}; this version runs "
-        f"that layout only in `mindspeed-flow train`, while a Megatron / MindSpeed-MM job runs the encoder "
-        f"inside the backbone's stage 0 (co-located), so applying the backbone's sizes alone would run another "
+        f"{bb.devices} devices) through the memory pool, {plan.devices} devices in all{job}; that layout runs "
+        f"in `mindspeed-flow train`, and in a Megatron / MindSpeed-MM job only with the plugin's `decoupled` "
+        f"feature, which is not on: this job runs the encoder inside the backbone's stage 0 (co-located), so applying the backbone's sizes alone would run another "
         f"plan than the allocator chose; {instead}")
 
 
@@ -68,7 +73,12 @@ def megatron_settings(plan: AllocationPlan, namespace: argparse.Namespace, where
     bb = plan.backbone
     world = getattr(namespace, "world_size", None)
     refuse_decoupled(plan, where, world)
-    if world is not None and world != bb.devices:
+    if plan.placement != COLOCATED and world is not None:
+        try:
+            layout_from_plan(plan).check_world_size(world, where)
+        except LayoutError as exc:
+            raise AllocatorError(str(exc)) from None
+    elif world is not None and world != bb.devices:
         raise AllocatorError(
             f"{where}: the plan's backbone needs {bb.devices} devices (dp {bb.dp} x tp {bb.tp} x pp {bb.pp}) but "
             f"this job has world size {world}")
@@ -103,8 +113,12 @@ def apply_to_megatron_args(namespace: argparse.Namespace) -> AllocationPlan:
 
 
 def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``validate_args(args, defaults={})`` with the plan's sizes written in first."""
-    apply_to_megatron_args(args[0] if args else kwargs["args"])
+    """``validate_args(args, defaults={})`` with the plan's sizes written in first; a
+    decoupled layout (this plan's, or the layout file's) without the ``decoupled`` feature
+    is refused first."""
+    namespace = args[0] if args else kwargs["args"]
+    refuse_without_decoupled_step(namespace)
+    apply_to_megatron_args(namespace)
     return wrapped(*args, **kwargs)
 
 

@@ -1,8 +1,13 @@
 """Which regions a job's step is composed of: Megatron's own layout, a YAML file, or
-MindSpeed-MM's VLM split.
+MindSpeed-MM's VLM split; or, from the same file, a decoupled layout.
 
 A layout is the input of :func:`.compose`; the runtime binds each (region, stage) this rank
-visits to one of its model chunks, in model order (:func:`local_visits`).
+visits to one of its model chunks, in model order (:func:`local_visits`).  A layout file
+holds one of three forms: ``regions:`` (:func:`load_layout`), ``vlm:`` (MindSpeed-MM's split,
+read by the Megatron schedule adapter) or ``decoupled:`` (:func:`load_decoupled`: encoder
+ranks of their own feeding the backbone's pipeline through the pool, a
+:class:`~mindspeed_flow.decoupled.DecoupledLayout`, whose step is not regions of one
+pipeline).
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ from ..schedule import (GPipe, Interleaved1F1B, OneFOneB, Region, ScheduleError,
                         compose)
 from ..schedule.actions import COMPUTE
 from ..schedule.plan import Plan
+from ..decoupled import DecoupledLayout, LayoutError
 from ..schedule.regions import BACKBONE_REGION, ENCODER_REGION, MEGATRON_REGION
 from ..typed_yaml import build, read_yaml
 from .executor import RuntimeOptions
 from .transport import WaitPolicy
 
-__all__ = ["MEGATRON_REGION", "load_layout", "local_visits", "megatron_layout", "plan_for", "vlm_layout"]
+__all__ = ["MEGATRON_REGION", "load_decoupled", "load_layout", "local_visits", "megatron_layout", "plan_for",
+           "vlm_layout"]
 _SHARDED = {"1f1b": OneFOneB, "gpipe": GPipe, "zb-h1": ZeroBubbleH1}
+FORMS = ("regions", "vlm", "decoupled")  # the layout file's forms: exactly one of them
 
 
 def megatron_layout(stages: int, chunks: int = 1) -> tuple[Region, ...]:
@@ -70,10 +78,95 @@ def load_layout(path: str | Path, stages: int) -> tuple[Region, ...]:
     """
     path = Path(path)
     doc = read_yaml(path, error=ScheduleError, what="the schedule layout")
+    if _form(doc, path) == "decoupled":
+        raise ScheduleError(
+            f"{path}: decoupled: a decoupled layout (encoder ranks of their own feeding the backbone through the "
+            "pool) is a step of its own, not regions of one pipeline: it runs under the decoupled step "
+            "(mindspeed_flow.decoupled; runtime.layout.load_decoupled reads it), not under this schedule")
     entries = (doc or {}).get("regions") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ScheduleError(f"{path}: expected a non-empty `regions:` list")
     return tuple(_region(entry, i, path, stages) for i, entry in enumerate(entries))
+
+
+def _form(doc: Any, path: Path) -> str | None:
+    """Which of :data:`FORMS` the file holds (``None``: none of them); two are refused."""
+    found = [form for form in FORMS if isinstance(doc, dict) and form in doc]
+    if len(found) > 1:
+        raise ScheduleError(f"{path}: a layout file holds one of {', '.join(f'{f}:' for f in FORMS)}; "
+                            f"this one has {' and '.join(f'{f}:' for f in found)}")
+    return found[0] if found else None
+
+
+def _at_least_one(section: Any, names: Sequence[str]) -> None:
+    bad = {name: getattr(section, name) for name in names if getattr(section, name) < 1}
+    if bad:
+        name, value = next(iter(bad.items()))
+        raise ScheduleError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class _EncoderSizes:
+    """``decoupled.encoder``: ``dp`` encoder replicas over the whole job, ``tp`` ranks each."""
+
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, ("dp", "tp"))
+
+
+@dataclass(frozen=True)
+class _BackboneSizes:
+    """``decoupled.backbone``: ``dp`` pipelines of ``pp`` stages of ``tp`` ranks."""
+
+    pp: int
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, ("pp", "dp", "tp"))
+
+
+@dataclass(frozen=True)
+class _DecoupledSection:
+    """The ``decoupled:`` form as written (``max_in_flight``: microbatches an encoder
+    replica may run ahead of its backward; ``null``: unbounded)."""
+
+    encoder: _EncoderSizes
+    backbone: _BackboneSizes
+    max_in_flight: Optional[int] = DecoupledLayout.__dataclass_fields__["max_ahead"].default
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ScheduleError(f"max_in_flight must be >= 1 or null (unbounded), got {self.max_in_flight}")
+        if self.encoder.dp % self.backbone.dp:
+            raise ScheduleError(f"encoder.dp {self.encoder.dp} (encoder replicas in the job) does not split over "
+                                f"backbone.dp {self.backbone.dp}: every backbone replica needs as many")
+
+
+def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
+    """The ``decoupled:`` form of a layout file, or ``None`` when the file holds another::
+
+        decoupled:
+          encoder: {dp: 2, tp: 1}          # encoder replicas over the whole job, TP ranks each
+          backbone: {dp: 2, tp: 1, pp: 2}  # pipelines, TP ranks per stage, stages
+          max_in_flight: 2                 # microbatches ahead of their backward (null: unbounded)
+
+    The layer counts are the model's (:meth:`~mindspeed_flow.decoupled.DecoupledLayout.with_layers`).
+    A typo, a wrong type, a size below one or an encoder that does not split over the
+    backbone replicas is refused naming the file and the key."""
+    path = Path(path)
+    doc = read_yaml(path, error=ScheduleError, what="the schedule layout")
+    if _form(doc, path) != "decoupled":
+        return None
+    spec = build(_DecoupledSection, doc["decoupled"], path=path, where="decoupled", error=ScheduleError)
+    try:
+        return DecoupledLayout(encoder_dp=spec.encoder.dp // spec.backbone.dp, encoder_tp=spec.encoder.tp,
+                               backbone_pp=spec.backbone.pp, backbone_tp=spec.backbone.tp,
+                               backbone_dp=spec.backbone.dp, max_ahead=spec.max_in_flight)
+    except LayoutError as exc:  # the section's own checks come first; this is a safety net
+        raise ScheduleError(f"{path}: decoupled: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -187,3 +187,64 @@ def test_start_up_loads_the_layout_and_fails_on_a_bad_file(tmp_path):
                                           (argparse.Namespace(flow_schedule_config=str(bad)), {}), {})
     finally:
         adapter.configure()
+
+
+# --------------------------------------------------------------------------- the decoupled form
+
+
+def test_decoupled_form_gives_a_decoupled_layout(tmp_path):
+    from mindspeed_flow.decoupled import DecoupledLayout
+    from mindspeed_flow.runtime.layout import load_decoupled
+
+    path = tmp_path / "decoupled.yaml"
+    path.write_text("decoupled: {encoder: {dp: 1, tp: 1}, backbone: {dp: 1, tp: 1, pp: 2}, max_in_flight: 2}\n")
+    assert load_decoupled(path) == DecoupledLayout(encoder_dp=1, backbone_pp=2, max_ahead=2)
+    path.write_text("decoupled:\n  encoder: {dp: 4, tp: 2}\n  backbone: {dp: 2, tp: 2, pp: 2}\n"
+                    "  max_in_flight: null\n")
+    layout = load_decoupled(path)  # encoder.dp counts the job's replicas: 2 per backbone replica
+    assert layout == DecoupledLayout(encoder_dp=2, encoder_tp=2, backbone_pp=2, backbone_tp=2, backbone_dp=2,
+                                     max_ahead=None)
+    assert layout.world_size == 16
+    path.write_text("decoupled: {encoder: {}, backbone: {pp: 3}}\n")  # sizes default to 1, max_in_flight to 2
+    assert load_decoupled(path) == DecoupledLayout(encoder_dp=1, backbone_pp=3)
+    regions = tmp_path / "regions.yaml"
+    regions.write_text("regions:\n  - {name: llm, layers: 4}\n")
+    assert load_decoupled(regions) is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}, max_in_flite: 2}",
+     "unknown key decoupled.max_in_flite (known in decoupled: encoder, backbone, max_in_flight)"),
+    ("decoupled: {encoder: {dp: 1, pp: 2}, backbone: {pp: 2}}", "unknown key decoupled.encoder.pp"),
+    ("decoupled: {backbone: {pp: 2}}", "missing key decoupled.encoder"),
+    ("decoupled: {encoder: {dp: 1}, backbone: {dp: 1}}", "missing key decoupled.backbone.pp"),
+    ("decoupled: {encoder: {dp: two}, backbone: {pp: 2}}", "decoupled.encoder.dp: expected int, got str 'two'"),
+    ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2, tp: true}}", "decoupled.backbone.tp: expected int, got bool"),
+    ("decoupled: {encoder: {dp: 0}, backbone: {pp: 2}}", "decoupled.encoder: dp must be >= 1, got 0"),
+    ("decoupled: {encoder: {dp: 1}, backbone: {pp: 0}}", "decoupled.backbone: pp must be >= 1, got 0"),
+    ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}, max_in_flight: 0}",
+     "decoupled: max_in_flight must be >= 1 or null"),
+    ("decoupled: {encoder: {dp: 3}, backbone: {pp: 1, dp: 2}}",
+     "decoupled: encoder.dp 3 (encoder replicas in the job) does not split over backbone.dp 2"),
+    ("decoupled: [1, 2]", "decoupled: expected a mapping"),
+    ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}}\nregions: []",
+     "a layout file holds one of regions:, vlm:, decoupled:; this one has regions: and decoupled:"),
+], ids=["unknown-key", "unknown-nested-key", "missing-encoder", "missing-pp", "wrong-type", "bool-is-not-int",
+        "encoder-dp-0", "pp-0", "in-flight-0", "encoder-split", "not-a-mapping", "two-forms"])
+def test_a_bad_decoupled_form_names_the_file_and_the_field(tmp_path, text, message):
+    from mindspeed_flow.runtime.layout import load_decoupled
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ScheduleError) as refused:
+        load_decoupled(path)
+    assert str(refused.value).startswith(f"{path}: ") and message in str(refused.value)
+
+
+def test_a_decoupled_file_is_not_regions_of_one_pipeline(tmp_path):
+    """The schedule adapter reads a non-``vlm:`` file as regions at start-up: a decoupled one
+    is refused there with the reason, never run as a pipeline."""
+    path = tmp_path / "decoupled.yaml"
+    path.write_text("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}}\n")
+    with pytest.raises(ScheduleError, match=r"decoupled: a decoupled layout .* is a step of its own, not regions"):
+        load_layout(path, 2)

@@ -17,6 +17,7 @@ from mindspeed_flow.adapters.megatron.allocator_plan import apply_to_megatron_ar
 from mindspeed_flow.allocator import AllocationPlan, AllocatorError, BackboneConfig, EncoderConfig, Prediction
 from mindspeed_flow.allocator.upstream import megatron_args, mindspeed_mm_args
 from mindspeed_flow.config import ENV_VAR, add_flow_arguments
+from cli_plans import cli_plan
 from pinned_upstream import upstream_sources
 from subprocess_utils import last_json, run_python
 
@@ -30,24 +31,6 @@ def make_plan(split=(10,) * 8, dp=2, tp=4, micro_batch=1) -> AllocationPlan:
     return AllocationPlan(EncoderConfig(dp=dp, tp=tp, layers=32),
                 BackboneConfig(dp=dp, tp=tp, pp=len(split), micro_batch=micro_batch, layer_split=split),
                 global_batch=64, predicted=PREDICTION, placement="colocated")
-
-
-CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "allocator"
-_CLI_PLANS: dict = {}
-
-
-def cli_plan(config: str, devices: int, tmp_path_factory) -> tuple[Path, AllocationPlan, str]:
-    """A plan as a user makes one: `mindspeed-flow plan CONFIG --devices N --out PLAN`
-    (file, plan, printed text); solved once per session."""
-    key = (config, devices)
-    if key not in _CLI_PLANS:
-        out = tmp_path_factory.mktemp("plan") / "plan.yaml"
-        proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "plan", str(CONFIGS / config),
-                               "--devices", str(devices), "--out", str(out)], capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        _CLI_PLANS[key] = (out, AllocationPlan.load(out), proc.stdout)
-    return _CLI_PLANS[key]
 
 
 @pytest.mark.parametrize("config, devices", [("tiny_cpu.yaml", 3), ("vlm_72b.yaml", 512)])
@@ -65,6 +48,7 @@ def test_a_decoupled_plan_is_refused_with_the_reason_at_any_world_size(tmp_path_
         message = str(refused.value)
         assert f"refusing a decoupled plan: its encoder runs on {plan.encoder.devices} devices of its own" in message
         assert f"this job: world size {world}" in message and "mindspeed-flow train" in message
+        assert "the plugin's `decoupled` feature, which is not on" in message
         assert "placements: [colocated]" in message
         assert args.tensor_model_parallel_size == 1  # nothing was written
     model = _config_tree({"image_encoder": {"vision_encoder": {"num_layers": plan.encoder.layers}},
