@@ -1,7 +1,7 @@
 """Gradients moved as one flat buffer: one collective for many parameters.
 
 Every gradient exchange of the project goes through here: the main job's data-parallel sum
-(``train.trainer``), the decoupled layout's averages (``pool.decoupled``) and the runtime's
+(``train.trainer``), the decoupled layout's averages (``decoupled.grads``) and the runtime's
 replica reduce (``runtime.step``, which sums the same flat buffer point to point in group
 order).  One collective per dtype instead of one per parameter: each would pay the
 collective's latency on the step's critical path.
