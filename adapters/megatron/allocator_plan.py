@@ -113,12 +113,12 @@ def apply_to_megatron_args(namespace: argparse.Namespace) -> AllocationPlan:
 
 
 def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``validate_args(args, defaults={})`` with the plan's sizes written in first; a
-    decoupled layout (this plan's, or the layout file's) without the ``decoupled`` feature
-    is refused first."""
+    """``validate_args(args, defaults={})`` with the plan's sizes written in first.  Without
+    the ``decoupled`` feature a decoupled plan is refused there (:func:`refuse_decoupled`),
+    and so is a decoupled layout file (:func:`.decoupled_layout.refuse_without_decoupled_step`)."""
     namespace = args[0] if args else kwargs["args"]
-    refuse_without_decoupled_step(namespace)
     apply_to_megatron_args(namespace)
+    refuse_without_decoupled_step(namespace)
     return wrapped(*args, **kwargs)
 
 

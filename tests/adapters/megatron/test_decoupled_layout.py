@@ -10,6 +10,7 @@ import argparse
 import pytest
 
 from mindspeed_flow.adapters.megatron import allocator_plan
+from mindspeed_flow.allocator import AllocatorError
 from mindspeed_flow.adapters.megatron.decoupled_layout import decoupled_layout, refuse_without_decoupled_step
 from mindspeed_flow.config import add_flow_arguments
 from mindspeed_flow.decoupled import DecoupledLayout, LayoutError
@@ -81,23 +82,23 @@ def test_a_plan_no_decoupled_layout_runs_is_refused_naming_the_file(tmp_path_fac
 
 
 def test_without_the_decoupled_feature_the_job_is_refused_at_start_up(tmp_path, tmp_path_factory):
-    """Megatron's ``validate_args`` under the allocator patch: a decoupled layout is refused
-    with the reason (never run co-located), after the world-size check naming both numbers."""
+    """Megatron's ``validate_args`` under the allocator patch: a decoupled plan, or a decoupled
+    layout file, is refused with the reason (never run co-located), naming the plan's devices
+    and the job's world size."""
     plan_path, plan, _ = cli_plan(runnable_config(tmp_path_factory), 3, tmp_path_factory)
     called = []
-    namespace = args("--flow-allocator", "--flow-allocator-plan", str(plan_path), world_size=3)
-    with pytest.raises(LayoutError) as refused:
-        allocator_plan.validate_args_wrapper(lambda *a, **k: called.append(a), None, (namespace, {}), {})
+    for world in (3, 2):
+        namespace = args("--flow-allocator", "--flow-allocator-plan", str(plan_path), world_size=world)
+        with pytest.raises(AllocatorError) as refused:
+            allocator_plan.validate_args_wrapper(lambda *a, **k: called.append(a), None, (namespace, {}), {})
+        message = str(refused.value)
+        assert f"{plan.devices} devices in all (this job: world size {world})" in message
+        assert "only with the plugin's `decoupled` feature, which is not on" in message
     assert not called
-    message = str(refused.value)
-    e, b = plan.encoder, plan.backbone
-    assert message.startswith(f"{plan_path}: a decoupled layout (encoder dp {e.dp} x tp {e.tp}, backbone dp {b.dp} "
-                              f"x tp {b.tp} x pp {b.pp}, 3 ranks) needs the plugin's `decoupled` feature")
-    assert "would otherwise run co-located" in message
-    with pytest.raises(LayoutError, match="needs 3 ranks .* world size is 2"):
-        allocator_plan.validate_args_wrapper(lambda *a, **k: None, None,
-                                             (args("--flow-allocator", "--flow-allocator-plan", str(plan_path),
-                                                   world_size=2), {}), {})
     file = layout_file(tmp_path, "decoupled: {encoder: {dp: 1}, backbone: {pp: 2}}")
-    with pytest.raises(LayoutError, match=rf"{file}: a decoupled layout .* needs the plugin's `decoupled` feature"):
+    with pytest.raises(LayoutError) as refused:
         refuse_without_decoupled_step(args("--flow-schedule-config", str(file), world_size=3))
+    message = str(refused.value)
+    assert message.startswith(f"{file}: a decoupled layout (encoder dp 1 x tp 1, backbone dp 1 x tp 1 x pp 2, "
+                              "3 ranks) needs the plugin's `decoupled` feature")
+    assert "would otherwise run co-located" in message
