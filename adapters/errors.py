@@ -14,5 +14,10 @@ class ScheduleConflict(FlowError, RuntimeError):
     """Another feature swaps the same schedule: the job must not run under the wrong one."""
 
 
+class TransposeUnsupported(ScheduleConflict):
+    """The transposed ViT layout (``vlm: {transpose: true}``) cannot run with this model or
+    these arguments (raised when the model is built, or at the first microbatch it cannot take)."""
+
+
 class DeviceUnavailableError(FlowError, RuntimeError):
     """The requested profiling device (or enough of them, or its torch extension) is missing."""

@@ -42,13 +42,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from mindspeed_flow.adapters.errors import ScheduleConflict
+from mindspeed_flow.adapters.errors import TransposeUnsupported
 
 REPLICA_ATTRIBUTE = "_flow_vit_replica"  # set on VLMModel instances built for the transposed layout
-
-
-class TransposeUnsupported(ScheduleConflict):
-    """The transposed ViT layout cannot run with this model or these arguments."""
 
 
 def transposed() -> bool:

@@ -84,7 +84,10 @@ def test_tensor_parallel_decoupled_step_equals_single_process(runs):
             if dim is not None and tp > 1:
                 sharded[role.region] += 1
                 assert got.shape[dim] * tp == ref_grads[name].shape[dim], name
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"r{rank} {name}")
+            # atol 1e-6: a bias gradient sums every token of the step, in another order across TP
+            # shards and replicas; on this machine 1 of 32 elements of one differed by 1.04e-7.
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6,
+                                       msg=lambda m, rank=rank, name=name: f"r{rank} {name}: {m}")
         if role.region == "vit":
             assert {n for n in out["grads"]} == {n for n in ref_grads if n.startswith("vit.")}
         names |= set(out["grads"])
