@@ -125,7 +125,6 @@ def test_transposed_frozen_vit_equals_upstream_fp32(runs, transposed):
 # ------------------------------------------------------------------ pretrain_vlm.py itself
 
 LAYOUT_FILE = Path(__file__).resolve().parent / "transpose_layout.yaml"
-ITERS, K = 8, 4
 
 
 def _real_transposed():
@@ -136,28 +135,19 @@ def _real_transposed():
 
 
 @pytest.mark.timeout(3600)
-def test_pretrain_vlm_transposed_runs_saves_and_resumes_bit_for_bit(real_jobs):
+def test_pretrain_vlm_transposed_runs_on_the_colocated_curve(real_jobs):
     """``pretrain_vlm.py`` at PP=2 with ``--use-flowtrain`` and the transposed layout: 8
-    iterations finish, on the co-located run's curve (bf16: the replicas' gradients are summed
-    in another order than one rank accumulates them, so the parameters may round apart by an
-    ulp: BF16_RTOL per iteration); saved at 4 and resumed, it continues bit for bit."""
-    from dataclasses import replace
-
+    iterations finish, fed the co-located run's samples in its order, on its curve (bf16: the
+    replicas' gradients are summed in another order than one rank accumulates them, so the
+    parameters may round apart by an ulp: BF16_RTOL per iteration).  Save / resume of this
+    layout is not checked here yet (issue 22's note says so)."""
     from test_real_job import BF16_RTOL, assert_finished
     from test_real_job_pipeline import PIPELINE_JOBS
 
-    base = _real_transposed()
-    whole = real_jobs.run("transpose_pp2", base)
+    whole = real_jobs.run("transpose_pp2", _real_transposed())
     assert whole.returncode == 0, whole.output[-3000:]
     assert_finished(whole)
     colocated = real_jobs.run("flow_pp2", PIPELINE_JOBS["flow_pp2"])
     assert colocated.fed == whole.fed  # the same samples, in the same order
     for i, loss in colocated.exact_losses.items():
         assert whole.exact_losses[i] == pytest.approx(loss, rel=BF16_RTOL), i
-    first = real_jobs.run("transpose_pp2_save", replace(base, save="ckpt", save_interval=K, exit_interval=K))
-    assert first.returncode == 0, first.output[-3000:]
-    assert_finished(first, last=K)
-    second = real_jobs.run("transpose_pp2_resume", replace(base, load=str(first.workdir / "ckpt")))
-    assert second.returncode == 0, second.output[-3000:]
-    assert_finished(second, first=K + 1)
-    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
