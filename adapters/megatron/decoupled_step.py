@@ -104,7 +104,8 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
-    from mindspeed_flow.adapters.megatron.roles import ROLES, layout_plan
+    from mindspeed_flow.adapters.megatron.roles import ROLES
+    from mindspeed_flow.decoupled.plan import slice_plan
     from mindspeed_flow.adapters.megatron.schedule import _grad_sync_held
     from mindspeed_flow.runtime import Binding, LossRules
 
@@ -121,7 +122,7 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
     key = (slice_microbatches, trainable)
     plan = STATE.plans.get(key)
     if plan is None:
-        plan = STATE.plans[key] = layout_plan(layout, slice_microbatches, trainable)
+        plan = STATE.plans[key] = slice_plan(layout, slice_microbatches, trainable)
     executor = _executor(layout, groups)
     config = get_model_config(models[0])
     loss = LossRules(config.calculate_per_token_loss, parallel_state.get_context_parallel_world_size(),

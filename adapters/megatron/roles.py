@@ -18,7 +18,7 @@ ranks only:
   So every Megatron group (TP, PP, DP, embedding, model parallel) holds ranks of one role
   only: no collective of one role waits on the other, DDP's gradient all-reduce never mixes
   encoder and backbone gradients.  The runtime's cross-role groups
-  (:func:`layout_groups`: the slice's executor
+  (:func:`mindspeed_flow.decoupled.groups.new_groups`: the slice's executor
   group, the pool group) are built right after, on every rank.
 
 The layout is set with :func:`configure` (the job's start-up, from ``--flow-schedule-config``,
@@ -75,38 +75,6 @@ def role_configs(layout: Any) -> tuple[RoleConfig, RoleConfig]:
     """The encoder's and the backbone's configs, in the order their groups are built."""
     return (RoleConfig(ENCODER_REGION, tuple(layout.encoder_ranks), layout.encoder_tp, 1),
             RoleConfig(BACKBONE_REGION, tuple(layout.backbone_ranks), layout.backbone_tp, layout.backbone_pp))
-
-
-def layout_class() -> type:
-    """The core's ``DecoupledLayout`` wherever it is kept (issue 22 moves it from
-    ``mindspeed_flow.pool.decoupled`` into the ``mindspeed_flow.decoupled`` package)."""
-    try:
-        from mindspeed_flow.decoupled import DecoupledLayout
-    except ImportError:
-        try:
-            from mindspeed_flow.decoupled.layout import DecoupledLayout
-        except ImportError:
-            from mindspeed_flow.pool.decoupled import DecoupledLayout
-    return DecoupledLayout
-
-
-def layout_groups(layout: Any) -> dict[str, Any]:
-    """The runtime's groups of ``layout`` wherever the core keeps them: the decoupled
-    package's ``new_groups`` (issue 22 moves them there), else the layout's own method."""
-    try:
-        from mindspeed_flow.decoupled.groups import new_groups
-    except ImportError:
-        return layout.new_groups()
-    return new_groups(layout)
-
-
-def layout_plan(layout: Any, num_microbatches: int, trainable_encoder: bool) -> Any:
-    """One slice's plan of ``layout`` wherever the core keeps it (see :func:`layout_groups`)."""
-    try:
-        from mindspeed_flow.decoupled.plan import slice_plan
-    except ImportError:
-        return layout.plan(num_microbatches, trainable_encoder=trainable_encoder)
-    return slice_plan(layout, num_microbatches, trainable_encoder)
 
 
 def my_role(layout: Any, rank: int) -> RoleConfig:
@@ -198,7 +166,9 @@ def initialize_model_parallel_wrapper(wrapped: Callable, instance: Any, args: tu
     assert kept is not None
     for k, v in kept.items():
         setattr(parallel_state, k, v)
-    ROLES.groups = layout_groups(layout)
+    from mindspeed_flow.decoupled.groups import new_groups
+
+    ROLES.groups = new_groups(layout)
     return None
 
 

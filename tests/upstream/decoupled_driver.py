@@ -44,10 +44,10 @@ import driver  # noqa: E402  (MindSpeed's adaptor first, as pretrain_vlm.py; the
 
 
 def decoupled_layout(fields: dict):
-    """The layout, its class wherever the core keeps it (``roles.layout_class``)."""
-    from mindspeed_flow.adapters.megatron.roles import layout_class
+    """The layout the job describes."""
+    from mindspeed_flow.decoupled import DecoupledLayout
 
-    return layout_class()(**fields)
+    return DecoupledLayout(**fields)
 
 
 def dying(forward_step, rank: int):

@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 from mindspeed_flow.adapters.megatron import roles
 from mindspeed_flow.adapters.mindspeed_mm.roles import configure_for_role
+from mindspeed_flow.decoupled import DecoupledLayout
 from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
 
 
 def layout(**fields):
-    return roles.layout_class()(**fields)
+    return DecoupledLayout(**fields)
 
 
 def test_role_configs_split_the_world_encoder_first():
