@@ -21,27 +21,32 @@ log = logging.getLogger("mindspeed_flow")
 
 CORE_FEATURE = "core"
 # Features that swap no upstream function: ``system`` acts when the plugin activates, before
-# upstream is imported; ``pool`` carries embeddings only between an encoder and a backbone on
-# devices of their own.  :func:`job_notes` says what each did in this job.
-JOB_FEATURES = ("pool", "system")
+# upstream is imported.  :func:`job_notes` says what it did in this job, and what ``pool``
+# (whose patches act only under a decoupled layout) did.
+JOB_FEATURES = ("system",)
 _registry: PatchRegistry | None = None
 _config: FlowConfig | None = None
 _reported_unpatched: set[str] = set()
 
 POOL_INERT = (
-    "pool: inert in this job, no pool opened (backend {backend} unused): the vision encoder runs inside "
-    "the backbone's pipeline stage 0 (co-located, as MindSpeed-MM builds the model), so its embeddings "
-    "go straight to the LLM; a pool carries them only between an encoder and a backbone on devices of "
-    "their own (the decoupled layout of `mindspeed-flow train`), which this version does not run in a "
-    "Megatron / MindSpeed-MM job")
+    "pool: no pool opened (backend {backend} unused): no decoupled layout is configured, so the vision "
+    "encoder runs inside the backbone's pipeline stage 0 (co-located, as MindSpeed-MM builds the model) and "
+    "its embeddings go straight to the LLM; a pool carries them between encoder ranks of their own and the "
+    "backbone under a decoupled layout (--flow-schedule-config with `decoupled:`, or a decoupled "
+    "--flow-allocator-plan)")
+POOL_OPEN = "pool: backend {backend}, one pool per slice of the decoupled layout ({layout})"
 
 
-def job_notes(config: FlowConfig) -> list[str]:
-    """What the features that swap nothing did in this Megatron / MindSpeed-MM job, one
-    line each (logged with the job's feature line)."""
+def job_notes(config: FlowConfig, decoupled: str | None = None) -> list[str]:
+    """What the features that act without a patch of their own did in this Megatron /
+    MindSpeed-MM job, one line each (logged with the job's feature line); ``decoupled``
+    describes the decoupled layout the job runs (``None``: none)."""
     notes = []
     if config.enabled("pool"):
-        notes.append(POOL_INERT.format(backend=config.pool_backend))
+        if decoupled:
+            notes.append(POOL_OPEN.format(backend=config.pool_backend, layout=decoupled))
+        else:
+            notes.append(POOL_INERT.format(backend=config.pool_backend))
     if config.enabled("system"):
         from mindspeed_flow.system.apply import applied_settings
 
@@ -108,7 +113,7 @@ def deactivate() -> None:
 def enable_features(features: Iterable[str]) -> set[str]:
     """Enable ``core`` plus the given features that have patches; returns what was enabled.
 
-    ``pool`` and ``system`` have none by design (:data:`JOB_FEATURES`, :func:`job_notes`);
+    ``system`` has none by design (:data:`JOB_FEATURES`, :func:`job_notes`);
     any other feature without patches is accepted and logged, never silently.
     """
     if _registry is None:

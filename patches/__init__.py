@@ -15,11 +15,11 @@ from mindspeed_flow.activation import current_registry, enable_features, install
 from mindspeed_flow.config import FlowConfig
 from mindspeed_flow.patching import Patch, PatchRegistry
 
-# Feature modules, in the order their patches are listed.  ``pool`` and ``system`` have none
-# (``activation.JOB_FEATURES``: the job's log says what they did); any other feature whose
+# Feature modules, in the order their patches are listed.  ``system`` has none
+# (``activation.JOB_FEATURES``: the job's log says what it did); any other feature whose
 # module is not here has no patches yet: its flag is accepted and the activation log says so.
 FEATURE_MODULES = ("core", "fused_attn", "conv_matmul", "packing_accounting", "packing_loader", "allocator",
-                   "schedule", "recipes")
+                   "schedule", "pool", "recipes")
 
 
 def all_patches() -> list[Patch]:

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from subprocess_utils import last_json, run_python
 
+from mindspeed_flow.activation import job_notes
+from mindspeed_flow.config import FlowConfig
+
 PROBE = '''
 import json, sys
 from importlib import import_module
@@ -61,8 +64,10 @@ def test_flag_on_an_unchanged_command_line_activates():
 
 def test_environment_variable_activates_like_the_flag():
     run = run_python(PROBE, env={"MINDSPEED_FLOW_FLAGS": "--flow-packing --flow-pool"})
-    # packing brings the varlen attention it needs (fused_attn); pool swaps nothing by design
-    assert last_json(run)["enabled"] == expected({"packing", "fused_attn", "pool"}) == ["core", "fused_attn", "packing"]
+    # packing brings the varlen attention it needs (fused_attn); pool's patches are the
+    # decoupled layout's (pass-through without one)
+    assert last_json(run)["enabled"] == expected({"packing", "fused_attn", "pool"}) == \
+        ["core", "fused_attn", "packing", "pool"]
     assert "no patches" not in run.stderr
 
 
@@ -138,14 +143,17 @@ print(json.dumps(job_notes(FlowConfig.from_argv(sys.argv[1:]))))
 
 
 def test_the_job_log_says_what_pool_and_system_did():
-    """(issue 19, defect 6) pool and system swap no upstream function: the job's log says
-    what they did in this job (pool: inert, why; system: the binding and variables it set),
-    never "no patches in this version"."""
+    """(issue 19, defect 6) system swaps no upstream function and pool's patches act only
+    under a decoupled layout: the job's log says what they did in this job (pool: no pool
+    without a decoupled layout, and why; system: the binding and variables it set), never
+    "no patches in this version"."""
     pool, system = last_json(run_python(JOB_NOTES_PROBE, ["--use-flowtrain"]))
-    assert pool.startswith("pool: inert in this job, no pool opened (backend torch unused)")
+    assert pool.startswith("pool: no pool opened (backend shm unused)")
     assert "co-located" in pool and "decoupled layout" in pool
     assert system.startswith("system: bound local rank 0: cores ") and "Ascend environment defaults:" in system
     assert last_json(run_python(JOB_NOTES_PROBE, ["--flow-packing"])) == []
+    opened = job_notes(FlowConfig.from_argv(["--flow-pool-backend", "torch"], environ={}), "encoder dp 1, 3 ranks")
+    assert opened == ["pool: backend torch, one pool per slice of the decoupled layout (encoder dp 1, 3 ranks)"]
     # flags parsed later (Megatron's args) but the process activated without --flow-system
     late = run_python(JOB_NOTES_PROBE.replace("sys.argv[1:]", '["--flow-system"]'))
     assert last_json(late) == ["system: nothing set in this process (it acts when the plugin activates, before "

@@ -66,7 +66,7 @@ def test_use_flowtrain_turns_every_feature_on_and_no_flow_x_off():
     assert args.num_layers == 2 and args.mm_data == "d.json"
     config = FlowConfig.from_namespace(args, environ={})
     assert config.features == frozenset(FEATURE_NAMES) - {"allocator"}
-    assert config.pool_backend == "torch"
+    assert config.pool_backend == "shm"  # one node (no launcher's WORLD_SIZE / LOCAL_WORLD_SIZE)
 
 
 def test_use_flowtrain_turns_the_allocator_on_only_with_a_plan():

@@ -81,8 +81,11 @@ def test_doctor_json_has_a_row_per_pool_backend():
 
     proc = run_python(DOCTOR_WITHOUT_MOONCAKE_MASTER, ["doctor", "--json"])
     every = json.loads(proc.stdout[proc.stdout.index("["):])
-    rows = {r["target"]: r for r in every if r["feature"] == "pool"}
+    rows = {r["target"]: r for r in every if r["feature"] == "pool" and r["target"].startswith("mindspeed_flow.pool:")}
     assert list(rows) == [f"mindspeed_flow.pool:{b}" for b in BACKENDS]
+    # and the pool feature's patches (the decoupled layout's) have rows of their own
+    assert {r["target"] for r in every if r["feature"] == "pool"} - set(rows) >= {
+        "megatron.training.arguments:validate_args", "mindspeed_mm.models.vlm_model:VLMModel.__init__"}
     assert all(set(r) == set(every[0]) and r["failure"] is False for r in rows.values())
     assert rows["mindspeed_flow.pool:local"]["status"] == "available"
     mooncake = rows["mindspeed_flow.pool:mooncake"]

@@ -63,8 +63,8 @@ def refuse_decoupled(plan: AllocationPlan, where: str, world: int | None = None)
         f"{where}: refusing a decoupled plan: its encoder runs on {enc.devices} devices of its own "
         f"(dp {enc.dp} x tp {enc.tp}) and feeds the backbone (dp {bb.dp} x tp {bb.tp} x pp {bb.pp}, "
         f"{bb.devices} devices) through the memory pool, {plan.devices} devices in all{job}; that layout runs "
-        f"in `mindspeed-flow train`, and in a Megatron / MindSpeed-MM job only with the plugin's `decoupled` "
-        f"feature, which is not on: this job runs the encoder inside the backbone's stage 0 (co-located), so applying the backbone's sizes alone would run another "
+        f"in `mindspeed-flow train`, and in a Megatron / MindSpeed-MM job only with the plugin's `pool` "
+        f"feature (--flow-pool or --use-flowtrain), which is not on: this job runs the encoder inside the backbone's stage 0 (co-located), so applying the backbone's sizes alone would run another "
         f"plan than the allocator chose; {instead}")
 
 
@@ -114,7 +114,7 @@ def apply_to_megatron_args(namespace: argparse.Namespace) -> AllocationPlan:
 
 def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``validate_args(args, defaults={})`` with the plan's sizes written in first.  Without
-    the ``decoupled`` feature a decoupled plan is refused there (:func:`refuse_decoupled`),
+    the ``pool`` feature a decoupled plan is refused there (:func:`refuse_decoupled`),
     and so is a decoupled layout file (:func:`.decoupled_layout.refuse_without_decoupled_step`)."""
     namespace = args[0] if args else kwargs["args"]
     apply_to_megatron_args(namespace)

@@ -9,7 +9,7 @@ the plan's sizes), both read from the config tree (:func:`mindspeed_flow.activat
 are added with ``with_layers``) or ``None``, and refuses a world size that is not the
 layout's, naming both numbers.
 
-A decoupled layout runs only where the ``decoupled`` feature's patches are enabled (encoder
+A decoupled layout runs only where the ``pool`` feature's patches are enabled (encoder
 ranks building the ViT, two parallel configs, the pool); :func:`refuse_without_decoupled_step`
 refuses the job at start-up otherwise, so it never runs co-located without a word.
 """
@@ -22,7 +22,7 @@ from typing import Any
 from mindspeed_flow.activation import current_registry, flow_config
 from mindspeed_flow.decoupled import DecoupledLayout, LayoutError, layout_from_plan
 
-DECOUPLED_FEATURE = "decoupled"  # patches/decoupled.py's feature
+DECOUPLED_FEATURE = "pool"  # patches/pool.py's feature: the decoupled layout's patches
 
 
 def decoupled_layout(args: Any) -> DecoupledLayout | None:
@@ -40,8 +40,8 @@ def _chosen(args: Any) -> tuple[str, DecoupledLayout] | None:
         return None
     source, layout = found[0]
     if len(found) == 2 and replace(found[1][1], max_ahead=layout.max_ahead) != layout:
-        raise LayoutError(f"{source} and {found[1][0]} name two decoupled layouts: {_sizes(layout)} and "
-                          f"{_sizes(found[1][1])}; give one, or make them agree")
+        raise LayoutError(f"{source} and {found[1][0]} name two decoupled layouts: {describe_sizes(layout)} and "
+                          f"{describe_sizes(found[1][1])}; give one, or make them agree")
     world = getattr(args, "world_size", None)
     if world is not None:
         layout.check_world_size(int(world), source)
@@ -68,28 +68,30 @@ def _named(config: Any) -> list[tuple[str, DecoupledLayout]]:
     return found
 
 
-def _sizes(layout: DecoupledLayout) -> str:
+def describe_sizes(layout: DecoupledLayout) -> str:
+    """The layout's sizes in the words of the job's log and its errors."""
     return (f"encoder dp {layout.encoder_dp * layout.backbone_dp} x tp {layout.encoder_tp}, backbone dp "
             f"{layout.backbone_dp} x tp {layout.backbone_tp} x pp {layout.backbone_pp}")
 
 
 def decoupled_step_installed() -> bool:
-    """Whether this process's patch registry has the ``decoupled`` feature on."""
+    """Whether this process's patch registry has the ``pool`` feature (the decoupled layout's patches) on."""
     registry = current_registry()
     return registry is not None and DECOUPLED_FEATURE in registry.enabled
 
 
-def refuse_without_decoupled_step(args: Any) -> DecoupledLayout | None:
-    """:func:`decoupled_layout`, refused (:class:`LayoutError`, naming where it came from)
-    when the ``decoupled`` feature's patches are not on in this process."""
+def refuse_without_decoupled_step(args: Any) -> None:
+    """Refuse (:class:`LayoutError`, naming where it came from) a decoupled layout the flags
+    name when the ``pool`` feature's patches are not on in this process (they check the
+    layout themselves when they are)."""
+    if decoupled_step_installed():
+        return
     chosen = _chosen(args)
     if chosen is None:
-        return None
+        return
     source, layout = chosen
-    if not decoupled_step_installed():
-        raise LayoutError(
-            f"{source}: a decoupled layout ({_sizes(layout)}, {layout.world_size} ranks) needs the plugin's "
-            f"`{DECOUPLED_FEATURE}` feature (encoder ranks of their own, two parallel configs, the pool), which is "
-            "not on in this job, and would otherwise run co-located; drop the decoupled layout, or run it with "
-            "`mindspeed-flow train`")
-    return layout
+    raise LayoutError(
+        f"{source}: a decoupled layout ({describe_sizes(layout)}, {layout.world_size} ranks) needs the plugin's "
+        f"`{DECOUPLED_FEATURE}` feature (encoder ranks of their own, two parallel configs, the pool), which is "
+        "not on in this job, and would otherwise run co-located; add --flow-pool (or --use-flowtrain), or "
+        "drop the decoupled layout")

@@ -21,8 +21,10 @@ ranks only:
   (:func:`mindspeed_flow.decoupled.groups.new_groups`: the slice's executor
   group, the pool group) are built right after, on every rank.
 
-The layout is set with :func:`configure` (the job's start-up, from ``--flow-schedule-config``,
-or a test driver); without one both wrappers are Megatron's own functions.
+The layout is set with :func:`configure`: by :func:`validate_args_wrapper` from the job's
+flags (``--flow-schedule-config``'s ``decoupled:`` form, or a decoupled ``--flow-allocator-plan``:
+:func:`~mindspeed_flow.adapters.megatron.decoupled_layout.decoupled_layout`), or before it by a
+test driver; without one both wrappers are Megatron's own functions.
 """
 
 from __future__ import annotations
@@ -200,6 +202,10 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     (so ``world % (tp*pp)`` and the data-parallel size are the role's); the real world
     size is put back after."""
     parsed = args[0] if args else kwargs.get("args")
+    if parsed is not None and ROLES.layout is None:
+        from mindspeed_flow.adapters.megatron.decoupled_layout import decoupled_layout
+
+        configure(decoupled_layout(parsed))  # the flags' layout (a test driver may have set one)
     layout = ROLES.layout
     if layout is None or parsed is None:
         return wrapped(*args, **kwargs)

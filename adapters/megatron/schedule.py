@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from mindspeed_flow.activation import flow_config
 from mindspeed_flow.adapters.errors import ScheduleConflict
+from mindspeed_flow.adapters.megatron.decoupled_layout import refuse_without_decoupled_step
 from mindspeed_flow.runtime import Binding, Executor, LossRules, RuntimeOptions
 from mindspeed_flow.runtime.layout import load_runtime_options, local_visits, megatron_layout, plan_for
 from mindspeed_flow.schedule import Region
@@ -246,7 +247,8 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
     ``vlm: {transpose: true, ...}`` instead of ``regions:`` derives it from MindSpeed-MM's
     ``vision_encoder`` / ``text_decoder`` ``pipeline_num_layers``, read when the schedule is
     first built: MindSpeed-MM merges its model config into ``args`` (``merge_mm_args``) only
-    after Megatron validated the arguments."""
+    after Megatron validated the arguments.  A ``decoupled:`` file is no layout of this
+    schedule (``None``): the ``pool`` feature's decoupled step runs it."""
     path = layout_path(args)
     if not path:
         return None
@@ -255,6 +257,8 @@ def layout_from_args(args: Any) -> Callable[[int, int], Sequence[Region]] | None
     from mindspeed_flow.typed_yaml import read_yaml
 
     doc = read_yaml(path, error=ScheduleError, what="the schedule layout") or {}
+    if isinstance(doc, dict) and "decoupled" in doc:
+        return None  # the pool feature's decoupled step runs it (patches/pool.py)
     if not (isinstance(doc, dict) and "vlm" in doc):
         return lambda stages, chunks: load_layout(path, stages)
     options = dict(doc["vlm"] or {})
@@ -307,6 +311,7 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     result = wrapped(*args, **kwargs)
     parsed = args[0] if args else kwargs.get("args")
     check_conflicts(parsed)
+    refuse_without_decoupled_step(parsed)  # a decoupled file without the pool feature: never co-located
     layout = layout_from_args(parsed)
     if layout is not None and not getattr(layout, "deferred", False):
         stages = getattr(parsed, "pipeline_model_parallel_size", 1) or 1

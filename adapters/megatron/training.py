@@ -15,6 +15,8 @@ import logging
 from typing import Any, Callable
 
 from mindspeed_flow.activation import flow_config, job_notes
+from mindspeed_flow.adapters.megatron.decoupled_layout import describe_sizes
+from mindspeed_flow.adapters.megatron import roles
 from mindspeed_flow.config import add_flow_arguments
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     config = flow_config(namespace)
     if getattr(namespace, "rank", 0) == 0:
         log.info("mindspeed-flow: %s", config.describe())
-        for note in job_notes(config):
+        layout = roles.ROLES.layout
+        decoupled = f"{describe_sizes(layout)}, {layout.world_size} ranks" if layout is not None else None
+        for note in job_notes(config, decoupled):
             log.info("mindspeed-flow %s", note)
     return result

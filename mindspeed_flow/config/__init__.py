@@ -17,15 +17,15 @@ from .flags import (
     flags_requested, parse_flow_flags,
 )
 from .options import (
-    DEFAULT_POOL_BACKEND, POOL_BACKENDS, AllocatorOptions, PoolOptions, RecipeOptions, ScheduleOptions,
-    SystemOptions, flag_dest,
+    DEFAULT_POOL_BACKEND_RULE, POOL_BACKENDS, AllocatorOptions, PoolOptions, RecipeOptions, ScheduleOptions,
+    SystemOptions, default_pool_backend, flag_dest,
 )
 from .tree import OPTIONS, PACKING_TURNS_ON_VARLEN, PACKING_WITHOUT_VARLEN, FlagError, FlowConfig, resolve
 
 __all__ = [
-    "DEFAULT_POOL_BACKEND", "ENV_VAR", "FEATURES", "FEATURE_NAMES", "MASTER_DEST", "MASTER_FLAG", "OPTIONS",
+    "DEFAULT_POOL_BACKEND_RULE", "ENV_VAR", "FEATURES", "FEATURE_NAMES", "MASTER_DEST", "MASTER_FLAG", "OPTIONS",
     "PACKING_TURNS_ON_VARLEN", "PACKING_WITHOUT_VARLEN", "POOL_BACKENDS", "AllocatorOptions", "FeatureSpec",
     "FlagError", "FlowConfig", "PoolOptions", "RecipeOptions", "ScheduleOptions", "SystemOptions",
-    "add_flow_arguments", "config_items", "cross_check", "env_flags", "flag_dest", "flags_requested",
+    "add_flow_arguments", "config_items", "cross_check", "default_pool_backend", "env_flags", "flag_dest", "flags_requested",
     "parse_flow_flags", "resolve",
 ]

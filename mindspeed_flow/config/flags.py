@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from mindspeed_flow.recipes.flags import add_recipe_arguments
 
-from .options import DEFAULT_POOL_BACKEND, POOL_BACKENDS, flag_dest
+from .options import DEFAULT_POOL_BACKEND_RULE, POOL_BACKENDS, flag_dest
 
 ENV_VAR = "MINDSPEED_FLOW_FLAGS"
 MASTER_FLAG = "--use-flowtrain"
@@ -67,7 +67,7 @@ def add_flow_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         group.add_argument(spec.flag, dest=spec.dest, action=argparse.BooleanOptionalAction,
                            default=None, help=f"{spec.help} (default: on under {MASTER_FLAG})")
     group.add_argument("--flow-pool-backend", choices=POOL_BACKENDS, default=None,
-                       help=f"memory pool backend; implies --flow-pool (default: {DEFAULT_POOL_BACKEND})")
+                       help=f"memory pool backend; implies --flow-pool (default: {DEFAULT_POOL_BACKEND_RULE})")
     group.add_argument("--flow-allocator-plan", default=None, metavar="PLAN",
                        help="plan file (mindspeed-flow plan CONFIG --out PLAN) that --flow-allocator applies")
     group.add_argument("--flow-schedule-config", default=None, metavar="PATH",

@@ -9,12 +9,27 @@ calls it, so that an error names the flag and the file where the job would have 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 # The one list of pool backends: the flag's choices, ``mindspeed_flow.pool.BACKENDS`` and the
 # doctor's availability rows all read it.
 POOL_BACKENDS = ("local", "shm", "torch", "mooncake", "memfabric")
-DEFAULT_POOL_BACKEND = "torch"
+# The backend when ``--flow-pool`` (or ``--use-flowtrain``) is given without ``--flow-pool-backend``:
+# shared memory when every rank of the job is on this node, point-to-point across nodes.
+SINGLE_NODE_POOL_BACKEND = "shm"
+MULTI_NODE_POOL_BACKEND = "torch"
+DEFAULT_POOL_BACKEND_RULE = (f"{SINGLE_NODE_POOL_BACKEND} on one node, {MULTI_NODE_POOL_BACKEND} across nodes")
+
+
+def default_pool_backend(environ: Mapping[str, str]) -> str:
+    """The pool backend for a job whose launcher set ``environ``: ``shm`` when all its ranks
+    are on this node (torchrun's ``WORLD_SIZE`` equals its ``LOCAL_WORLD_SIZE``, or the
+    process was not started by a launcher), ``torch`` when they span nodes (shared memory
+    cannot reach the other nodes' ranks)."""
+    world, local = environ.get("WORLD_SIZE"), environ.get("LOCAL_WORLD_SIZE")
+    if world is None or local is None or int(world) <= int(local):
+        return SINGLE_NODE_POOL_BACKEND
+    return MULTI_NODE_POOL_BACKEND
 
 
 def option(flag: str) -> Any:
@@ -39,7 +54,7 @@ class ScheduleOptions:
 @dataclass(frozen=True)
 class PoolOptions:
     """``--flow-pool-backend``: the backend, set whenever the pool is on
-    (:data:`DEFAULT_POOL_BACKEND` when only ``--flow-pool`` asked for it), ``None`` when it is off."""
+    (:func:`default_pool_backend` when only ``--flow-pool`` asked for it), ``None`` when it is off."""
 
     backend: str | None = option("--flow-pool-backend")
 

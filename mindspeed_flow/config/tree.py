@@ -19,13 +19,14 @@ refused, naming both flags: the job never trains with samples attending to each 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import FlagError
 from .flags import FEATURE_NAMES, FEATURES, MASTER_DEST, MASTER_FLAG, env_flags, parse_flow_flags
 from .options import (
-    DEFAULT_POOL_BACKEND, AllocatorOptions, PoolOptions, RecipeOptions, ScheduleOptions, SystemOptions, flag_dest,
+    AllocatorOptions, PoolOptions, RecipeOptions, ScheduleOptions, SystemOptions, default_pool_backend, flag_dest,
 )
 
 
@@ -77,12 +78,12 @@ class FlowConfig:
     def from_namespace(cls, namespace: argparse.Namespace,
                        environ: Mapping[str, str] | None = None) -> "FlowConfig":
         """Resolve parsed flags (Megatron's ``args`` or ours) over the environment's flags."""
-        return resolve(namespace, env_flags(environ))
+        return resolve(namespace, env_flags(environ), os.environ if environ is None else environ)
 
     @classmethod
     def from_argv(cls, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> "FlowConfig":
         """Resolve a command line (any upstream flags may be in it) over the environment's flags."""
-        return resolve(parse_flow_flags(argv), env_flags(environ))
+        return resolve(parse_flow_flags(argv), env_flags(environ), os.environ if environ is None else environ)
 
     def describe(self) -> str:
         on = [f for f in FEATURE_NAMES if f in self.features]
@@ -100,9 +101,12 @@ def _read_options(options: type, pick: Callable[[str], Any]) -> Any:
     return options(**{f.name: _given(pick(flag_dest(f.metadata["flag"]))) for f in fields(options)})
 
 
-def resolve(command_line: argparse.Namespace, environment: Sequence[str] = ()) -> FlowConfig:
+def resolve(command_line: argparse.Namespace, environment: Sequence[str] = (),
+            launcher_env: Mapping[str, str] | None = None) -> FlowConfig:
     """The tree of ``command_line`` (parsed flags) over ``environment`` (the flags of
-    ``MINDSPEED_FLOW_FLAGS``, unparsed); refuses contradictions with :class:`FlagError`."""
+    ``MINDSPEED_FLOW_FLAGS``, unparsed); refuses contradictions with :class:`FlagError`.
+    ``launcher_env`` (the process environment torchrun set; ``None``: none) picks the pool's
+    default backend (:func:`~.options.default_pool_backend`)."""
     env = parse_flow_flags(environment)
 
     def pick(dest: str) -> Any:
@@ -139,5 +143,8 @@ def resolve(command_line: argparse.Namespace, environment: Sequence[str] = ()) -
                 "(MindSpeed-MM's own data path)")
         features.add("fused_attn")
         notes.append(PACKING_TURNS_ON_VARLEN)
-    options["pool"] = PoolOptions((backend or DEFAULT_POOL_BACKEND) if "pool" in features else None)
+    if "pool" in features:
+        options["pool"] = PoolOptions(backend or default_pool_backend(launcher_env or {}))
+    else:
+        options["pool"] = PoolOptions(None)
     return FlowConfig(frozenset(features), notes=tuple(notes), environment=tuple(environment), **options)

@@ -45,7 +45,7 @@ def test_a_namespace_that_disagrees_is_refused_naming_each_flag_and_both_values(
     message = str(refused.value)
     assert message.startswith("Megatron's arguments disagree with the flags the plugin was activated with")
     assert "--flow-schedule-config: 'b.yaml' in Megatron's arguments, 'a.yaml' at activation" in message
-    assert "--flow-pool-backend: None in Megatron's arguments, 'torch' at activation" in message
+    assert "--flow-pool-backend: None in Megatron's arguments, 'shm' at activation" in message
     assert "features: " in message and "--flow-allocator-plan" not in message  # only what differs
 
 

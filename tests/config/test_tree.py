@@ -70,7 +70,7 @@ def test_the_command_line_wins_over_the_environment_for_every_option(branch, nam
 def test_defaults_when_no_option_is_given():
     config = FlowConfig.from_argv(["--use-flowtrain"], environ={})
     assert config.schedule.config is None and config.allocator.plan is None
-    assert config.pool.backend == config.pool_backend == "torch"
+    assert config.pool.backend == config.pool_backend == "shm"
     assert not config.recipes.values_given and config.recipes.loss_weighting_beta is None
     assert FlowConfig.from_argv(["--use-flowtrain", "--no-flow-pool"], environ={}).pool.backend is None
 
@@ -81,6 +81,18 @@ def test_the_switches_and_the_options_together_through_the_environment():
     config = FlowConfig.from_argv(["--num-layers", "2"], {ENV_VAR: "--use-flowtrain --flow-schedule-config x.yaml"})
     assert config.enabled("schedule") and config.schedule.config == "x.yaml"
     assert config.environment == ("--use-flowtrain", "--flow-schedule-config", "x.yaml")
+
+
+def test_the_default_pool_backend_is_shm_on_one_node_and_torch_across_nodes():
+    """torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE say whether the job spans nodes: shared
+    memory cannot reach another node's ranks; a backend given is kept either way."""
+    one_node = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    two_nodes = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    assert FlowConfig.from_argv(["--use-flowtrain"], environ=one_node).pool_backend == "shm"
+    assert FlowConfig.from_argv(["--flow-pool"], environ=two_nodes).pool_backend == "torch"
+    given = ["--use-flowtrain", "--flow-pool-backend", "mooncake"]
+    assert FlowConfig.from_argv(given, environ=two_nodes).pool_backend == "mooncake"
+    assert FlowConfig.from_argv(["--use-flowtrain", "--no-flow-pool"], environ=two_nodes).pool_backend is None
 
 
 def test_one_list_of_pool_backends():

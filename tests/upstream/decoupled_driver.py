@@ -1,6 +1,6 @@
 """One upstream training step under FlowTrain's decoupled layout: MindSpeed's adaptor,
 Megatron's initialisation and MindSpeed-MM's ``VLMModel``, with the plugin's decoupled
-patches (:mod:`mindspeed_flow.patches.decoupled`): encoder ranks build ViT + projector,
+patches (:mod:`mindspeed_flow.patches.pool`, on under ``--use-flowtrain``): encoder ranks build ViT + projector,
 backbone ranks their LLM stage, each role with Megatron's groups over its own ranks, and
 ``get_forward_backward_func`` runs the slice's plan through the runtime and the pool.
 
@@ -19,28 +19,7 @@ from pathlib import Path
 
 import torch
 
-
-def install_decoupled_patches() -> None:
-    """The launcher's registry rebuilt with the ``decoupled`` feature module in it, as the
-    plugin will build it once ``patches.FEATURE_MODULES`` lists ``decoupled`` (wired by the
-    coordinator); until then the driver does it: remove the launcher's patches, build and
-    enable the full set (``decoupled`` beside the features the launcher enabled)."""
-    from mindspeed_flow import activation, patches
-
-    if "decoupled" in patches.FEATURE_MODULES:
-        return
-    registry = activation.current_registry()
-    features = set(registry.enabled)
-    registry.remove()
-    activation._registry = None  # test-driver only: the one registry is replaced, not stacked
-    patches.FEATURE_MODULES = (*patches.FEATURE_MODULES, "decoupled")
-    fresh = patches.build_registry()
-    activation.install_registry(fresh)
-    fresh.enable(features | {"decoupled"})
-
-
-install_decoupled_patches()  # before upstream is imported, as the launcher's activation is
-import driver  # noqa: E402  (MindSpeed's adaptor first, as pretrain_vlm.py; the job JSON)
+import driver  # (MindSpeed's adaptor first, as pretrain_vlm.py; the job JSON)
 
 
 def decoupled_layout(fields: dict):

@@ -48,7 +48,7 @@ def test_a_decoupled_plan_is_refused_with_the_reason_at_any_world_size(tmp_path_
         message = str(refused.value)
         assert f"refusing a decoupled plan: its encoder runs on {plan.encoder.devices} devices of its own" in message
         assert f"this job: world size {world}" in message and "mindspeed-flow train" in message
-        assert "the plugin's `decoupled` feature, which is not on" in message
+        assert "the plugin's `pool` feature (--flow-pool or --use-flowtrain), which is not on" in message
         assert "placements: [colocated]" in message
         assert args.tensor_model_parallel_size == 1  # nothing was written
     model = _config_tree({"image_encoder": {"vision_encoder": {"num_layers": plan.encoder.layers}},

@@ -81,7 +81,7 @@ def test_a_plan_no_decoupled_layout_runs_is_refused_naming_the_file(tmp_path_fac
         decoupled_layout(args("--flow-allocator", "--flow-allocator-plan", str(plan_path), world_size=3))
 
 
-def test_without_the_decoupled_feature_the_job_is_refused_at_start_up(tmp_path, tmp_path_factory):
+def test_without_the_pool_feature_the_job_is_refused_at_start_up(tmp_path, tmp_path_factory):
     """Megatron's ``validate_args`` under the allocator patch: a decoupled plan, or a decoupled
     layout file, is refused with the reason (never run co-located), naming the plan's devices
     and the job's world size."""
@@ -93,12 +93,12 @@ def test_without_the_decoupled_feature_the_job_is_refused_at_start_up(tmp_path, 
             allocator_plan.validate_args_wrapper(lambda *a, **k: called.append(a), None, (namespace, {}), {})
         message = str(refused.value)
         assert f"{plan.devices} devices in all (this job: world size {world})" in message
-        assert "only with the plugin's `decoupled` feature, which is not on" in message
+        assert "only with the plugin's `pool` feature (--flow-pool or --use-flowtrain), which is not on" in message
     assert not called
     file = layout_file(tmp_path, "decoupled: {encoder: {dp: 1}, backbone: {pp: 2}}")
     with pytest.raises(LayoutError) as refused:
         refuse_without_decoupled_step(args("--flow-schedule-config", str(file), world_size=3))
     message = str(refused.value)
     assert message.startswith(f"{file}: a decoupled layout (encoder dp 1 x tp 1, backbone dp 1 x tp 1 x pp 2, "
-                              "3 ranks) needs the plugin's `decoupled` feature")
+                              "3 ranks) needs the plugin's `pool` feature")
     assert "would otherwise run co-located" in message

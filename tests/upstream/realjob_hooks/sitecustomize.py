@@ -5,7 +5,15 @@ Inert unless ``REALJOB_OBSERVE`` names a folder.  Each shim acts on one upstream
 after the module that defines it is imported (a post-import hook), and is announced on stderr
 as ``[realjob] shim: NAME (why)``; the harness collects those lines into the run's report.
 
-Shims (CPU / torch 2.13 / numpy 2 only; none changes what the job computes):
+Shims (CPU / torch 2.13 / numpy 2 only; none changes what the job computes beyond a bf16 rounding):
+
+- bf16 matrix products on CPU (``aten.mm`` / ``addmm`` / ``bmm`` / ``baddbmm``, a torch dispatch
+  mode on the main thread, where the job computes): the bf16 operands are widened to fp32, multiplied
+  there and the product rounded to bf16.  torch's own CPU bf16 kernel does the same arithmetic
+  (fp32 products and sums, one rounding at the end) but, on a CPU without bf16 instructions such
+  as this one, 4-15x slower (the tiny model's 151936-word output layer alone cost ~5 s per pack);
+  the sums run in another order, so a product can differ from torch's by one bf16 rounding.
+  Every run of the harness has it, upstream's and the plugin's alike.
 
 - ``megatron.core.datasets.utils.compile_helpers``: no-op (MindSpeed's ``_compile_dependencies``
   calls it; it runs ``make`` inside the upstream tree; this job uses no Megatron dataset).
@@ -129,6 +137,31 @@ def _shim_tensor_type() -> None:
     torch.Tensor.type = type_
     _say("shim: torch.Tensor.type() -> 'torch.cuda.<X>Tensor' for callers in megatron/core/optimizer "
          "(CPU tensors; transfer_to_npu's job on Ascend)")
+
+
+def _shim_bf16_gemm() -> None:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    gemms = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+    def bf16_on_cpu(value) -> bool:
+        return isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 and value.device.type == "cpu"
+
+    class Bf16GemmInFp32(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in gemms:
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                if tensors and all(bf16_on_cpu(t) for t in tensors):
+                    wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+                    return func(*wide, **kwargs).to(torch.bfloat16)
+            return func(*args, **kwargs)
+
+    Bf16GemmInFp32().__enter__()  # for the life of the process (thread-local: the main thread's)
+    _say("shim: bf16 matrix products on CPU computed in fp32, rounded to bf16 (torch's CPU bf16 GEMM: the "
+         "same arithmetic, 4-15x slower without bf16 instructions)")
 
 
 def _shim_torch_npu(module) -> None:
@@ -408,7 +441,7 @@ if OBSERVE:
         "numpy": [_shim_numpy],
         "mindspeed_mm.models.vlm_model": [_observe_vlm],
         "mindspeed_mm.training": [_observe_train_step],
-        "torch": [lambda module: _shim_tensor_type()],
+        "torch": [lambda module: _shim_tensor_type(), lambda module: _shim_bf16_gemm()],
     }
     sys.meta_path.insert(0, _PostImport(_HOOKS))
     from mindspeed_flow.loopback import keep_stores_on_loopback

@@ -1,5 +1,8 @@
-"""FlowTrain's decoupled layout in Megatron's / MindSpeed-MM's real job (feature
-``schedule``, active when a decoupled layout is configured: :mod:`mindspeed_flow.adapters.megatron.roles`):
+"""FlowTrain's decoupled layout and its pool in Megatron's / MindSpeed-MM's real job (feature
+``pool``: ``--flow-pool``, ``--flow-pool-backend`` or ``--use-flowtrain``).  The layout comes
+from ``--flow-schedule-config`` (its ``decoupled:`` form) or a decoupled ``--flow-allocator-plan``
+(:func:`mindspeed_flow.adapters.megatron.decoupled_layout.decoupled_layout`, read by the
+``validate_args`` wrapper, which configures :mod:`mindspeed_flow.adapters.megatron.roles`):
 
 - ``validate_args`` sees this rank's role's world size, TP and PP;
 - ``initialize_model_parallel`` builds Megatron's groups per role over that role's ranks,
@@ -8,7 +11,8 @@
 - ``get_forward_backward_func`` returns the decoupled step (the slice's plan through the
   runtime's executor and the pool), outside the schedule feature's own wrapper.
 
-Without a decoupled layout every wrapper calls Megatron's / MindSpeed-MM's own function.
+Without a decoupled layout every wrapper calls Megatron's / MindSpeed-MM's own function, and
+no pool is opened (the job's log says so).
 """
 
 from mindspeed_flow.adapters.megatron import decoupled_step, roles
@@ -16,7 +20,7 @@ from mindspeed_flow.adapters.mindspeed_mm import roles as mm_roles
 from mindspeed_flow.patching import Patch
 from mindspeed_flow.patching.versions import MEGATRON_LM, MINDSPEED_MM
 
-FEATURE = "decoupled"
+FEATURE = "pool"
 
 
 def get_forward_backward_func_wrapper(wrapped, instance, args, kwargs):
@@ -33,7 +37,9 @@ PATCHES = [
         wrapper=roles.validate_args_wrapper,
         params="args, defaults",
         checked=(MEGATRON_LM,),
-        order=20,
+        # inside the allocator's (10: a decoupled plan's sizes are written first), outside the
+        # schedule feature's (5: it validates the role's arguments)
+        order=8,
         description="decoupled layout: Megatron validates each rank's role's world size, TP and PP",
     ),
     Patch(
