@@ -65,7 +65,9 @@ PATCHES = [
         wrapper=get_forward_backward_func_wrapper,
         params="",
         checked=(MEGATRON_LM,),
-        order=20,
+        # inside the packing loader's hand-off (10: each step's batches reach the role's
+        # pipeline peers first), outside the schedule feature's (0), which it replaces
+        order=5,
         description="decoupled layout: the slice's plan through the runtime's executor and the pool",
     ),
 ]

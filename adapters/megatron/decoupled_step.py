@@ -87,6 +87,35 @@ def _executor(layout: Any, groups: dict) -> Any:
     return STATE.executor
 
 
+def in_params_dtype(forward_step_func: Callable, dtype: Any) -> Callable:
+    """An encoder rank's ``forward_step_func`` whose output (the embeddings the pool carries)
+    is in the parameters' dtype.  Megatron's ``Float16Module`` hands a last pipeline stage's
+    output back in fp32, for the loss; an encoder rank is its role's last stage, but its output
+    is the LLM's input, which the co-located model takes in the parameters' dtype (bf16 -> fp32
+    -> bf16 is exact, and the pool carries half the bytes)."""
+
+    def forward_step(data_iterator: Any, model: Any) -> Any:
+        output, loss_func = forward_step_func(data_iterator, model)
+        if hasattr(output, "dtype") and output.is_floating_point() and output.dtype != dtype:
+            output = output.to(dtype)
+        return output, loss_func
+
+    return forward_step
+
+
+def slice_losses(store: list, layout: Any, rank: int, group: Any, encoder: bool) -> list:
+    """The slice's loss dicts (its last backbone stage's ``forward_data_store``) on its
+    encoder ranks too.  An encoder rank is its role's last pipeline stage, so MindSpeed-MM's
+    ``train_step`` / ``evaluate`` read the losses there as on the LLM's last stage (for the
+    log); the middle backbone stages take part in the broadcast and keep their own (empty) list."""
+    import torch.distributed as dist
+
+    last = layout.executor_ranks(rank)[-1]
+    carried = [store if rank == last else None]
+    dist.broadcast_object_list(carried, src=last, group=group)
+    return carried[0] if encoder else store
+
+
 def close() -> None:
     """Close this rank's pool view (the job's end); rank 0 and the pool's participants
     remove what the pools left when they exit (:func:`~mindspeed_flow.pool.job.remove_at_exit`)."""
@@ -127,12 +156,15 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
     config = get_model_config(models[0])
     loss = LossRules(config.calculate_per_token_loss, parallel_state.get_context_parallel_world_size(),
                      config.grad_scale_func)
+    if encoder:
+        forward_step_func = in_params_dtype(forward_step_func, config.params_dtype)
     with _grad_sync_held(config, forward_only) as release:
         result = executor.run(plan, forward_step_func, {role.binding: Binding(models[0], iterator)},
                               forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, loss=loss,
                               before_last_backward=release)
+    store = slice_losses(result.forward_data_store, layout, rank, groups["replica"], encoder)
     if forward_only:
-        return result.forward_data_store
+        return store
     tokens = result.total_num_tokens.clone().to(torch.int64 if not result.total_num_tokens.is_floating_point()
                                                  else result.total_num_tokens.dtype)
     last = layout.executor_ranks(rank)[-1]
@@ -145,4 +177,4 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
             models[0].scale_gradients(float(layout.encoder_dp))
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(models, tokens if config.calculate_per_token_loss else None)
-    return result.forward_data_store
+    return store

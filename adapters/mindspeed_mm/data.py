@@ -53,6 +53,7 @@ from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.accounting import record_microbatch
 from mindspeed_flow.data.batch import completed_samples, pack_multiple, real_tokens
 from mindspeed_flow.data.handoff import ChunkView, StepBatches
+from mindspeed_flow.schedule.regions import ENCODER_REGION
 
 from .model import _argument
 
@@ -133,6 +134,9 @@ class FlowTrainIterator(StepBatches):
     def __init__(self, loader: FlowDataLoader, split: str = "train") -> None:
         super().__init__(loader)
         self.split = split  # only "train" microbatches are consumed samples; "valid"/"test" ones are evaluated
+        # Under a decoupled layout an encoder rank decodes the same packs as its slice's
+        # backbone: only the backbone's decoding rank counts them (once per replica).
+        self.records = loader.decoding and not _encoder_rank()
         _LIVE.add(self)
 
     def __iter__(self) -> "FlowTrainIterator":
@@ -140,7 +144,7 @@ class FlowTrainIterator(StepBatches):
 
     def __next__(self) -> dict[str, Any]:
         batch = super().__next__()
-        if self.loader.decoding and self.split == "train":
+        if self.records and self.split == "train":
             record_microbatch(completed_samples(batch["sample_ids"]), real_tokens(batch))
         return batch
 
@@ -343,7 +347,7 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         spec.source, load_processor(spec.processor_path), capacity=capacity,
         dp_rank=dist.get_rank(dp_group), dp_size=dist.get_world_size(dp_group),
         num_workers=margs.num_workers, seed=margs.seed, window=int(param.get("window", WINDOW)),
-        pp_size=mpu.get_pipeline_model_parallel_world_size(), step_packs=get_num_microbatches(),
+        pp_size=consuming_pipeline_size(mpu.get_pipeline_model_parallel_world_size()), step_packs=get_num_microbatches(),
         group=peers if dist.get_world_size(peers) > 1 else None,
         device="cpu" if gloo else torch.device("cuda", torch.cuda.current_device()),
         image_root=spec.image_root, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
@@ -365,6 +369,28 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
 # chunks get copies of one loader.  The first chunk's loader, by spec (a frozen dataclass: equal
 # specs, one key), serves the later chunks.
 _CHUNK_LOADERS: dict = {}
+
+
+def _encoder_rank() -> bool:
+    """Whether this rank is an encoder rank of a decoupled layout."""
+    from mindspeed_flow.adapters.megatron import roles
+
+    layout = roles.ROLES.layout
+    if layout is None:
+        return False
+    import torch.distributed as dist
+
+    return layout.role(dist.get_rank()).region == ENCODER_REGION
+
+
+def consuming_pipeline_size(own: int) -> int:
+    """The pipeline size the packs are ordered for: this rank's own, or under a decoupled
+    layout the backbone's on every rank (an encoder rank's role has one stage, but it must
+    feed its slice the packs in the order the backbone's loader dispatches them)."""
+    from mindspeed_flow.adapters.megatron import roles
+
+    layout = roles.ROLES.layout
+    return layout.backbone_pp if layout is not None else own
 
 
 def build_iterations(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

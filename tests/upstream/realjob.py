@@ -83,10 +83,12 @@ class RealJob:
     data_patch: tuple = ()  # the same for the data JSON
     env: tuple = ()  # ((NAME, value), ...) for the run's environment
     timeout_s: int = RUN_TIMEOUT_S
+    # ranks when not pp * tp * dp (a decoupled layout: the encoder's ranks come on top)
+    world_size: Optional[int] = None
 
     @property
     def world(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.world_size or self.pp * self.tp * self.dp
 
     def model_json(self) -> dict:
         model = json.loads(TINY_MODEL.read_text())

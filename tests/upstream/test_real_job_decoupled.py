@@ -113,7 +113,7 @@ def test_decoupled_vit_on_one_rank_llm_pp2_equals_upstream(runs, tmp_path):
     PP group is the backbone's two ranks, its DP groups one rank each."""
     plain = runs.get("fp32_plain")
     layout = {"encoder_dp": 1, "backbone_pp": 2, "backbone_dp": 1, "max_ahead": 2}
-    job = Job(samples=plain_samples(3), precision="fp32", flash_attn=True, pp=2)
+    job = Job(samples=sample_specs(3), precision="fp32", flash_attn=True, pp=2)
     results = run_decoupled(job, layout, tmp_path / "decoupled_pp2", plain.initial_weights, "shm")
     assert_roles(results, layout, "shm")
     assert [r["groups"]["pp"] for r in results] == [[0], [1, 2], [1, 2]]
@@ -127,7 +127,7 @@ def test_an_encoder_rank_dying_mid_step_ends_every_rank_naming_it_and_the_pool_g
     result, and the survivors removed the job's pool from ``/dev/shm``."""
     plain = runs.get("fp32_plain")
     layout = {"encoder_dp": 1, "backbone_pp": 2, "backbone_dp": 1, "max_ahead": 2}
-    job = Job(samples=plain_samples(3), precision="fp32", flash_attn=True, pp=2)
+    job = Job(samples=sample_specs(3), precision="fp32", flash_attn=True, pp=2)
     before = set(SHM.glob("*mjob*"))
     started = time.monotonic()
     returncode, output, world = start_decoupled(job, layout, tmp_path / "dies", plain.initial_weights, "shm",
@@ -153,3 +153,44 @@ def test_decoupled_vit_dp2_llm_dp2_equals_upstream(runs, tmp_path):
     assert {tuple(r["groups"]["dp"]) for r in results} == {(0, 1), (2, 3)}
     assert_equals_upstream(plain, results)
 
+
+
+# ------------------------------------------------------------------ pretrain_vlm.py itself
+
+DECOUPLED_LAYOUT_FILE = HERE / "decoupled_layout.yaml"
+
+
+def _fed_by_rank(run, rank: int) -> list[list[int]]:
+    """The sample tags of every training batch ``rank``'s model got, per batch, in order."""
+    return [[t for row in b["rows"] for seg in row for t in seg["tags"]]
+            for b in run.batches if b.get("rank") == rank and b.get("training")]
+
+
+@pytest.mark.timeout(1800)
+def test_pretrain_vlm_decoupled_runs_8_iterations_feeding_the_colocated_samples(real_jobs):
+    """``pretrain_vlm.py`` itself, started as users start it, with ``--use-flowtrain`` and
+    ``--flow-schedule-config decoupled_layout.yaml`` on 3 ranks: the ViT + projector on rank 0
+    of its own, the LLM's 2 stages on ranks 1-2, embeddings through the ``shm`` pool (the
+    one-node default).  8 iterations finish; the encoder rank and the LLM's first stage are fed
+    exactly the packs the co-located ``--use-flowtrain`` PP=2 run feeds its stage 0, in its
+    order; consumed samples are counted once per replica (as co-located); the log says the pool
+    opened; no pool is left in /dev/shm.  (The losses are not compared: each role draws its
+    own initial parameters from Megatron's per-rank seeds, so the two runs start from other
+    weights; the one-step tests above hold the math against upstream from the same weights.)"""
+    from realjob import RealJob
+    from test_real_job import FLOW, assert_finished
+    from test_real_job_pipeline import PIPELINE_JOBS
+
+    before = set(SHM.glob("*mjob*"))
+    job = RealJob(pp=2, world_size=3, plugin=FLOW + ("--flow-schedule-config", str(DECOUPLED_LAYOUT_FILE)),
+                  timeout_s=1200)
+    run = real_jobs.run("decoupled_vit1_pp2", job)
+    assert_finished(run)
+    colocated = real_jobs.run("flow_pp2", PIPELINE_JOBS["flow_pp2"])
+    packs = _fed_by_rank(colocated, 0)
+    assert packs and _fed_by_rank(run, 0) == packs  # the encoder rank
+    assert _fed_by_rank(run, 1) == packs  # the LLM's first stage
+    assert run.consumed == colocated.consumed
+    assert "mindspeed-flow pool: backend shm, one pool per slice of the decoupled layout (encoder dp 1 x tp 1, " \
+           "backbone dp 1 x tp 1 x pp 2, 3 ranks)" in run.output, run.output[-3000:]
+    assert set(SHM.glob("*mjob*")) <= before, "the pool outlived the job"

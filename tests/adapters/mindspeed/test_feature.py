@@ -95,7 +95,7 @@ def test_flowtrain_is_a_real_mindspeed_feature():
     # nothing to check against it); MindSpeed's args from another command line are refused
     assert out["need_apply"] is True and out["need_apply_without_flags"] is True
     assert out["refused"].startswith("MindSpeed's arguments disagree with the flags the plugin was activated with")
-    assert "--flow-pool-backend: 'torch' in MindSpeed's arguments, None at activation" in out["refused"]
+    assert "--flow-pool-backend: 'shm' in MindSpeed's arguments, None at activation" in out["refused"]
     assert out["parsed_pool"] is False
     # what the command line asks for (--use-flowtrain --no-flow-pool), among the features with
     # patches, enabled at activation; MindSpeed's register_patches enables the same set
