@@ -166,7 +166,7 @@ def _fed_by_rank(run, rank: int) -> list[list[int]]:
             for b in run.batches if b.get("rank") == rank and b.get("training")]
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(1200)
 def test_pretrain_vlm_decoupled_runs_8_iterations_feeding_the_colocated_samples(real_jobs):
     """``pretrain_vlm.py`` itself, started as users start it, with ``--use-flowtrain`` and
     ``--flow-schedule-config decoupled_layout.yaml`` on 3 ranks: the ViT + projector on rank 0
@@ -183,7 +183,7 @@ def test_pretrain_vlm_decoupled_runs_8_iterations_feeding_the_colocated_samples(
 
     before = set(SHM.glob("*mjob*"))
     job = RealJob(pp=2, world_size=3, plugin=FLOW + ("--flow-schedule-config", str(DECOUPLED_LAYOUT_FILE)),
-                  timeout_s=1200)
+                  timeout_s=600)
     run = real_jobs.run("decoupled_vit1_pp2", job)
     assert_finished(run)
     colocated = real_jobs.run("flow_pp2", PIPELINE_JOBS["flow_pp2"])

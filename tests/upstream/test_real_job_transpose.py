@@ -131,10 +131,10 @@ def _real_transposed():
     from realjob import RealJob
     from test_real_job import FLOW
 
-    return RealJob(pp=2, plugin=FLOW + ("--flow-schedule-config", str(LAYOUT_FILE)), timeout_s=1200)
+    return RealJob(pp=2, plugin=FLOW + ("--flow-schedule-config", str(LAYOUT_FILE)), timeout_s=600)
 
 
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(1200)
 def test_pretrain_vlm_transposed_runs_on_the_colocated_curve(real_jobs):
     """``pretrain_vlm.py`` at PP=2 with ``--use-flowtrain`` and the transposed layout: 8
     iterations finish, fed the co-located run's samples in its order, on its curve (bf16: the
