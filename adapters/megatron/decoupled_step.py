@@ -103,14 +103,13 @@ def in_params_dtype(forward_step_func: Callable, dtype: Any) -> Callable:
     return forward_step
 
 
-def slice_losses(store: list, layout: Any, rank: int, group: Any, encoder: bool) -> list:
-    """The slice's loss dicts (its last backbone stage's ``forward_data_store``) on its
-    encoder ranks too.  An encoder rank is its role's last pipeline stage, so MindSpeed-MM's
+def slice_losses(store: list, rank: int, last: int, group: Any, encoder: bool) -> list:
+    """The slice's loss dicts (its last backbone stage ``last``'s ``forward_data_store``) on
+    its encoder ranks too.  An encoder rank is its role's last pipeline stage, so MindSpeed-MM's
     ``train_step`` / ``evaluate`` read the losses there as on the LLM's last stage (for the
     log); the middle backbone stages take part in the broadcast and keep their own (empty) list."""
     import torch.distributed as dist
 
-    last = layout.executor_ranks(rank)[-1]
     carried = [store if rank == last else None]
     dist.broadcast_object_list(carried, src=last, group=group)
     return carried[0] if encoder else store
@@ -162,12 +161,12 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
         result = executor.run(plan, forward_step_func, {role.binding: Binding(models[0], iterator)},
                               forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, loss=loss,
                               before_last_backward=release)
-    store = slice_losses(result.forward_data_store, layout, rank, groups["replica"], encoder)
+    last = layout.executor_ranks(rank)[-1]  # the slice's last backbone stage
+    store = slice_losses(result.forward_data_store, rank, last, groups["replica"], encoder)
     if forward_only:
         return store
     tokens = result.total_num_tokens.clone().to(torch.int64 if not result.total_num_tokens.is_floating_point()
                                                  else result.total_num_tokens.dtype)
-    last = layout.executor_ranks(rank)[-1]
     dist.broadcast(tokens, src=last, group=groups["replica"])  # the slice's count, on every rank of it
     if encoder:
         encoder_replica = layout.executor_ranks(rank).index(rank)  # plan rank e < encoder_dp

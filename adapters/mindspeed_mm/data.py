@@ -56,6 +56,7 @@ from mindspeed_flow.data.handoff import ChunkView, StepBatches
 from mindspeed_flow.schedule.regions import ENCODER_REGION
 
 from .model import _argument
+from .roles import role_region
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class FlowTrainIterator(StepBatches):
         self.split = split  # only "train" microbatches are consumed samples; "valid"/"test" ones are evaluated
         # Under a decoupled layout an encoder rank decodes the same packs as its slice's
         # backbone: only the backbone's decoding rank counts them (once per replica).
-        self.records = loader.decoding and not _encoder_rank()
+        self.records = loader.decoding and role_region() != ENCODER_REGION
         _LIVE.add(self)
 
     def __iter__(self) -> "FlowTrainIterator":
@@ -369,18 +370,6 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
 # chunks get copies of one loader.  The first chunk's loader, by spec (a frozen dataclass: equal
 # specs, one key), serves the later chunks.
 _CHUNK_LOADERS: dict = {}
-
-
-def _encoder_rank() -> bool:
-    """Whether this rank is an encoder rank of a decoupled layout."""
-    from mindspeed_flow.adapters.megatron import roles
-
-    layout = roles.ROLES.layout
-    if layout is None:
-        return False
-    import torch.distributed as dist
-
-    return layout.role(dist.get_rank()).region == ENCODER_REGION
 
 
 def consuming_pipeline_size(own: int) -> int:

@@ -25,7 +25,8 @@ from typing import Any, Callable
 from mindspeed_flow.schedule.regions import ENCODER_REGION
 
 
-def _region() -> str | None:
+def role_region() -> str | None:
+    """This rank's region under the decoupled layout (``None``: no decoupled layout)."""
     from mindspeed_flow.adapters.megatron.roles import ROLES
 
     layout = ROLES.layout
@@ -59,7 +60,7 @@ def configure_for_role(config: Any, region: str) -> Any:
 
 def vlm_init_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``VLMModel(config)`` building this rank's role only (see the module docstring)."""
-    region = _region()
+    region = role_region()
     if region is not None:
         config = args[0] if args else kwargs["config"]
         configure_for_role(config, region)
