@@ -8,6 +8,8 @@ from ``--flow-schedule-config`` (its ``decoupled:`` form) or a decoupled ``--flo
 - ``initialize_model_parallel`` builds Megatron's groups per role over that role's ranks,
   then the runtime's cross-role groups;
 - ``VLMModel.__init__`` builds this rank's part (ViT + projector, or its LLM stage);
+- the optimizer's gradient statistics (``--clip-grad``'s norm) are reduced over the slice,
+  both roles together;
 - ``get_forward_backward_func`` returns the decoupled step (the slice's plan through the
   runtime's executor and the pool), outside the schedule feature's own wrapper.
 
@@ -58,6 +60,15 @@ PATCHES = [
         checked=(MINDSPEED_MM,),
         order=20,
         description="decoupled layout: encoder ranks build ViT + projector, backbone ranks their LLM stage",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.core.optimizer.optimizer:MegatronOptimizer.get_grad_stats_parallel_group",
+        wrapper=roles.grad_stats_group_wrapper,
+        params="self",
+        checked=(MEGATRON_LM,),
+        order=20,
+        description="decoupled layout: the gradient norm (--clip-grad) and found-inf over both roles of the slice",
     ),
     Patch(
         feature=FEATURE,

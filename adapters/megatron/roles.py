@@ -174,6 +174,19 @@ def initialize_model_parallel_wrapper(wrapped: Callable, instance: Any, args: tu
     return None
 
 
+def grad_stats_group_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``MegatronOptimizer.get_grad_stats_parallel_group``: under a decoupled layout, this
+    rank's slice (its executor's ranks: the slice's encoder replica and backbone stages), so
+    the gradient norm ``--clip-grad`` clips by, the zero count and fp16's found-inf are the
+    whole model's, as co-located, not each role's own.  Each parameter's gradient is counted
+    once in a slice while it has one encoder replica (``check_supported`` refuses more).
+    The distributed optimizer's own method (the whole world, each rank its shard) is already
+    the whole model's and is not wrapped."""
+    if ROLES.layout is None:
+        return wrapped(*args, **kwargs)
+    return ROLES.groups["replica"]
+
+
 def check_supported(layout: Any, parsed: Any) -> None:
     """Refuse at start-up what this version does not run under a decoupled layout (rather than
     run something else):
@@ -181,8 +194,10 @@ def check_supported(layout: Any, parsed: Any) -> None:
     - several encoder replicas per slice (``encoder_dp > 1``): Megatron's data loader shards
       the encoder ranks' samples by their own data-parallel rank, not by their slice's;
     - tensor parallelism in either role: the pool's TP view is not checked in Megatron's job;
-    - ``--save`` / ``--load``: a decoupled checkpoint (each role's shard) is not checked to
-      resume bit for bit, nor to load into a co-located run."""
+    - ``--save`` / ``--load`` in another format than ``--ckpt-format torch``: each role writes
+      the files of its own Megatron config (the encoder ``mp_rank_00``, the backbone
+      ``mp_rank_00_PPP``), which resume bit for bit; a distributed (``torch_dist``) checkpoint
+      of two configs in one world is not checked."""
     reasons = []
     if layout.encoder_dp > 1:
         reasons.append(f"encoder_dp {layout.encoder_dp} > 1 (Megatron's data loader would feed the encoder "
@@ -190,9 +205,11 @@ def check_supported(layout: Any, parsed: Any) -> None:
     if layout.encoder_tp > 1 or layout.backbone_tp > 1:
         reasons.append(f"encoder_tp {layout.encoder_tp} / backbone_tp {layout.backbone_tp} > 1 "
                        "(tensor parallelism is not checked under the decoupled layout)")
+    fmt = getattr(parsed, "ckpt_format", "torch")
     for flag, value in (("--save", getattr(parsed, "save", None)), ("--load", getattr(parsed, "load", None))):
-        if value:
-            reasons.append(f"{flag} {value} (a decoupled checkpoint is not checked to resume)")
+        if value and fmt != "torch":
+            reasons.append(f"{flag} {value} with --ckpt-format {fmt} (only --ckpt-format torch checkpoints of "
+                           "the decoupled layout are checked to resume)")
     if reasons:
         raise ValueError("the decoupled layout does not run here yet: " + "; ".join(reasons))
 

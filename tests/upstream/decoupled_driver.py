@@ -50,6 +50,16 @@ def dying(forward_step, rank: int):
     return forward_then_die
 
 
+def optimizer_grad_norm(model) -> float:
+    """The gradient norm Megatron's own optimizer (fp32, no distributed optimizer) would clip
+    by with ``--clip-grad``: the number every rank must agree on, the whole model's."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0), model)
+    optimizer.prepare_grads()
+    return float(optimizer.get_grad_norm())
+
+
 def main() -> None:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.enums import ModelType
@@ -97,6 +107,7 @@ def main() -> None:
         result["loss_sum"] = sum(float(item["loss"][0]) for item in losses)
         result["tokens"] = sum(float(item["loss"][1]) for item in losses)
     torch.save(driver.gradients(model), driver.rank_path("grads"))
+    result["grad_norm"] = optimizer_grad_norm(model)
     from mindspeed_flow.adapters.megatron import decoupled_step
     result["pool_backend"] = decoupled_step.STATE.backend
     result["pool_name"] = decoupled_step.STATE.pool_name

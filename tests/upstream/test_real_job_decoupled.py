@@ -4,12 +4,14 @@ with Megatron's groups over its own ranks; one training step runs the slice's
 ``<Decoupled, 1F1B>`` plan through the runtime's executor, embeddings and their gradients
 through the pool (``shm`` and ``torch`` backends).  Losses and every gradient (fp32 ``main_grad``, by global name)
 equal upstream's co-located single-process step on the same samples, within
-``test_vlm_equivalence``'s fp32 bounds.
+``test_vlm_equivalence``'s fp32 bounds; so does the gradient norm Megatron's optimizer
+computes for ``--clip-grad`` on every rank (the whole model's, not each role's).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import re
 import sys
 import time
@@ -90,6 +92,10 @@ def assert_equals_upstream(reference, results: list[dict]) -> None:
     errors = gradient_errors(reference.grads, slice_zero(results))
     worst = max(errors, key=errors.get)
     assert errors[worst] <= FP32_GRAD_RTOL, f"{worst}: relative gradient error {errors[worst]:.2e}"
+    # --clip-grad's norm (Megatron's optimizer on every rank): the whole model's, both roles
+    norm = sum(float(g.double().pow(2).sum()) for g in reference.grads.values()) ** 0.5
+    for r in results:
+        assert r["grad_norm"] == pytest.approx(norm, rel=FP32_GRAD_RTOL), (r["rank"], r["region"], r["grad_norm"])
 
 
 def assert_roles(results: list[dict], layout: dict, backend: str) -> None:
@@ -160,6 +166,15 @@ def test_decoupled_vit_dp2_llm_dp2_equals_upstream(runs, tmp_path):
 DECOUPLED_LAYOUT_FILE = HERE / "decoupled_layout.yaml"
 
 
+def _real_decoupled():
+    """``pretrain_vlm.py`` with ``--use-flowtrain`` and the decoupled layout file (3 ranks)."""
+    from realjob import RealJob
+    from test_real_job import FLOW
+
+    return RealJob(pp=2, world_size=3, plugin=FLOW + ("--flow-schedule-config", str(DECOUPLED_LAYOUT_FILE)),
+                   timeout_s=600)
+
+
 def _fed_by_rank(run, rank: int) -> list[list[int]]:
     """The sample tags of every training batch ``rank``'s model got, per batch, in order."""
     return [[t for row in b["rows"] for seg in row for t in seg["tags"]]
@@ -177,14 +192,11 @@ def test_pretrain_vlm_decoupled_runs_8_iterations_feeding_the_colocated_samples(
     opened; no pool is left in /dev/shm.  (The losses are not compared: each role draws its
     own initial parameters from Megatron's per-rank seeds, so the two runs start from other
     weights; the one-step tests above hold the math against upstream from the same weights.)"""
-    from realjob import RealJob
-    from test_real_job import FLOW, assert_finished
+    from test_real_job import assert_finished
     from test_real_job_pipeline import PIPELINE_JOBS
 
     before = set(SHM.glob("*mjob*"))
-    job = RealJob(pp=2, world_size=3, plugin=FLOW + ("--flow-schedule-config", str(DECOUPLED_LAYOUT_FILE)),
-                  timeout_s=600)
-    run = real_jobs.run("decoupled_vit1_pp2", job)
+    run = real_jobs.run("decoupled_vit1_pp2", _real_decoupled())
     assert_finished(run)
     colocated = real_jobs.run("flow_pp2", PIPELINE_JOBS["flow_pp2"])
     packs = _fed_by_rank(colocated, 0)
@@ -193,4 +205,51 @@ def test_pretrain_vlm_decoupled_runs_8_iterations_feeding_the_colocated_samples(
     assert run.consumed == colocated.consumed
     assert "mindspeed-flow pool: backend shm, one pool per slice of the decoupled layout (encoder dp 1 x tp 1, " \
            "backbone dp 1 x tp 1 x pp 2, 3 ranks)" in run.output, run.output[-3000:]
+    assert set(SHM.glob("*mjob*")) <= before, "the pool outlived the job"
+
+
+@pytest.mark.timeout(1800)
+def test_pretrain_vlm_decoupled_resume_continues_bit_for_bit(real_jobs):
+    """Save at K and exit, resume to ITERS (``--ckpt-format torch``): each role writes the
+    files of its own Megatron config (the encoder rank ``mp_rank_00``: ``image_encoder.*``;
+    the LLM's stages ``mp_rank_00_000`` / ``_001``: ``text_decoder.*``), with its optimizer
+    state and the decoding ranks' loader states; the resumed run is the uninterrupted one bit
+    for bit, every sample fed once."""
+    from test_real_job import ITERS, K, assert_finished
+    from test_real_job_ckpt import _PICKLE
+
+    base = _real_decoupled()
+    first = real_jobs.run("decoupled_vit1_pp2_save", replace(base, save="ckpt", save_interval=K, exit_interval=K))
+    assert_finished(first, last=K)
+    step = first.workdir / "ckpt" / f"iter_{K:07d}"
+    files = {d.name: torch.load(d / "model_optim_rng.pt", map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+             for d in sorted(step.iterdir()) if d.name.startswith("mp_rank_")}
+    assert sorted(files) == ["mp_rank_00", "mp_rank_00_000", "mp_rank_00_001"]
+    for name, state in files.items():
+        prefix = "image_encoder." if name == "mp_rank_00" else "text_decoder."
+        assert state["model"] and all(k.startswith(prefix) for k in state["model"]), (name, list(state["model"])[:3])
+        assert state["optimizer"]["optimizer"]["state"], f"{name}: no optimizer state"
+    second = real_jobs.run("decoupled_vit1_pp2_resume", replace(base, load=str(first.workdir / "ckpt")))
+    assert_finished(second, first=K + 1, last=ITERS)
+    whole = real_jobs.run("decoupled_vit1_pp2", base)
+    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
+    assert {**first.consumed, **second.consumed} == whole.consumed
+    for rank in range(3):  # no sample twice, none skipped, same order, on every rank
+        assert _fed_by_rank(first, rank) + _fed_by_rank(second, rank) == _fed_by_rank(whole, rank), rank
+
+
+@pytest.mark.timeout(1200)
+def test_pretrain_vlm_encoder_rank_dying_mid_step_ends_every_rank_naming_it(real_jobs):
+    """``pretrain_vlm.py`` on the decoupled layout; the encoder rank (rank 0) ends with
+    ``os._exit(17)`` at its 6th training forward (iteration 2's second pack: the first one's
+    embeddings are in the pool, the LLM's stages wait for the next).  The job fails naming
+    rank 0 and its exit code within the layout's runtime timeout (300 s, start-up included);
+    torchrun's run returned, so no rank is left; no pool is left in /dev/shm."""
+    before = set(SHM.glob("*mjob*"))
+    job = replace(_real_decoupled(), env=(("REALJOB_DIE_AT", "0:6:17"),))
+    run = real_jobs.run("decoupled_vit1_pp2_dies", job, check=False)
+    assert run.returncode != 0, run.output[-3000:]
+    assert "fault injection: rank 0 dies at training forward 6" in run.output
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*17", run.output), run.output[-3000:]
+    assert run.wall_s < 300, run.wall_s
     assert set(SHM.glob("*mjob*")) <= before, "the pool outlived the job"

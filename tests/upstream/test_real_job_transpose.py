@@ -139,8 +139,7 @@ def test_pretrain_vlm_transposed_runs_on_the_colocated_curve(real_jobs):
     """``pretrain_vlm.py`` at PP=2 with ``--use-flowtrain`` and the transposed layout: 8
     iterations finish, fed the co-located run's samples in its order, on its curve (bf16: the
     replicas' gradients are summed in another order than one rank accumulates them, so the
-    parameters may round apart by an ulp: BF16_RTOL per iteration).  Save / resume of this
-    layout is not checked here yet (issue 22's note says so)."""
+    parameters may round apart by an ulp: BF16_RTOL per iteration)."""
     from test_real_job import BF16_RTOL, assert_finished
     from test_real_job_pipeline import PIPELINE_JOBS
 
@@ -151,3 +150,30 @@ def test_pretrain_vlm_transposed_runs_on_the_colocated_curve(real_jobs):
     assert colocated.fed == whole.fed  # the same samples, in the same order
     for i, loss in colocated.exact_losses.items():
         assert whole.exact_losses[i] == pytest.approx(loss, rel=BF16_RTOL), i
+
+
+@pytest.mark.timeout(1800)
+def test_pretrain_vlm_transposed_resume_continues_bit_for_bit(real_jobs):
+    """Save at K and exit, resume to ITERS (``--ckpt-format torch``): every stage's file holds
+    its LLM stage and its ViT replica (``image_encoder.*`` on stage 1 too), with their
+    optimizer state; the resumed run is the uninterrupted one bit for bit, every sample fed
+    once, in order."""
+    from dataclasses import replace
+
+    from test_real_job import ITERS, K, assert_finished
+    from test_real_job_ckpt import _PICKLE
+
+    base = _real_transposed()
+    first = real_jobs.run("transpose_pp2_save", replace(base, save="ckpt", save_interval=K, exit_interval=K))
+    assert_finished(first, last=K)
+    step = first.workdir / "ckpt" / f"iter_{K:07d}"
+    for stage in ("mp_rank_00_000", "mp_rank_00_001"):
+        state = torch.load(step / stage / "model_optim_rng.pt", map_location="cpu", weights_only=False,
+                           pickle_module=_PICKLE)
+        assert {k.split(".")[0] for k in state["model"]} == {"image_encoder", "text_decoder"}, stage
+    second = real_jobs.run("transpose_pp2_resume", replace(base, load=str(first.workdir / "ckpt")))
+    assert_finished(second, first=K + 1, last=ITERS)
+    whole = real_jobs.run("transpose_pp2", base)
+    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
+    assert {**first.consumed, **second.consumed} == whole.consumed
+    assert first.fed + second.fed == whole.fed

@@ -36,13 +36,14 @@ def test_a_world_that_is_not_the_layouts_is_refused_naming_both():
 @pytest.mark.parametrize("fields, parsed, reason", [
     ({"encoder_dp": 2}, {}, "encoder_dp 2 > 1"),
     ({"backbone_tp": 2}, {}, "backbone_tp 2 > 1"),
-    ({}, {"save": "/ckpt"}, "--save /ckpt"),
-    ({}, {"load": "/ckpt"}, "--load /ckpt"),
+    ({}, {"save": "/ckpt", "ckpt_format": "torch_dist"}, "--save /ckpt with --ckpt-format torch_dist"),
+    ({}, {"load": "/ckpt", "ckpt_format": "torch_dist"}, "--load /ckpt with --ckpt-format torch_dist"),
 ])
 def test_what_this_version_does_not_run_is_refused_with_the_reason(fields, parsed, reason):
     with pytest.raises(ValueError, match=f"does not run here yet: .*{reason}"):
         roles.check_supported(layout(**fields), SimpleNamespace(**parsed))
     roles.check_supported(layout(), SimpleNamespace(save=None, load=None))
+    roles.check_supported(layout(), SimpleNamespace(save="/ckpt", load="/ckpt", ckpt_format="torch"))
 
 
 def test_role_world_answers_for_the_role_and_puts_torch_distributed_back():

@@ -30,6 +30,10 @@ Shims (CPU / torch 2.13 / numpy 2 only; none changes what the job computes beyon
   activation does; torch binds them on every interface), so upstream runs without the plugin
   listen on 127.0.0.1 too.
 
+Fault injection (the fault tests only): ``REALJOB_DIE_AT=RANK:CALL:CODE`` ends rank ``RANK``
+with ``os._exit(CODE)`` (no clean-up of its own, as a killed process) at its ``CALL``-th
+training forward of ``VLMModel``, after saying so on stderr.
+
 Observers (write JSON lines to ``$REALJOB_OBSERVE/observe_rank{RANK}.jsonl``):
 
 - ``VLMModel`` forward (a forward pre-hook with kwargs on each instance, registered right after
@@ -273,8 +277,23 @@ def _iteration():
         return None
 
 
+def _maybe_die() -> None:
+    """``REALJOB_DIE_AT`` (see the module docstring): counts this rank's training forwards."""
+    rank, call, code = (int(x) for x in os.environ["REALJOB_DIE_AT"].split(":"))
+    if _rank() != rank:
+        return
+    _STATE["forwards"] = _STATE.get("forwards", 0) + 1
+    if _STATE["forwards"] == call:
+        _say(f"fault injection: rank {rank} dies at training forward {call} (os._exit({code}))")
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _vlm_pre_hook(module, args, kwargs):
     import torch
+
+    if module.training and os.environ.get("REALJOB_DIE_AT"):
+        _maybe_die()
 
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
