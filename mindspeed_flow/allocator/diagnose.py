@@ -42,7 +42,7 @@ def diagnose(found: CandidateSet, cluster: ClusterSpec, decoupled: bool = True,
     and none fits, are named too).  Without the ``decoupled`` placement a module is named
     only for what it rejected itself (TP, divisibility: checks co-located configs share),
     never for candidates that were simply not asked for.  ``requirements`` names the
-    workload's runtime requirements (``megatron_blocks``, ``exact_devices``): when every
+    workload's runtime requirements (``megatron_blocks``, ``encoder_split``, ``exact_devices``): when every
     module has candidates and a pair fits the budget, they are what leaves no plan."""
     reasons = []
     # Co-located configs record their own memory and device-budget misses.
@@ -74,6 +74,7 @@ def _requirement_reasons(requirements: Sequence[str], cluster: ClusterSpec, reas
         return []
     rules = {"megatron_blocks": "each encoder's devices filling whole backbone tp x pp blocks and its replicas "
                                 "splitting evenly over the backbone's",
+             "encoder_split": "its replicas splitting evenly over the backbone's",
              "exact_devices": f"the plan using all {cluster.devices} devices"}
     return [f"runtime requirements: no encoder and backbone pair (or co-located config) fits the budget with "
             + " and with ".join(rules[r] for r in requirements)]

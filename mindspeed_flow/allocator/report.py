@@ -59,8 +59,14 @@ def describe(plan: AllocationPlan, config: AllocatorConfig, title: str) -> str:
         lines.append(f"  note: upstream alone runs the encoder inside stage 0, so these realise the backbone's "
                      f"{plan.backbone.devices} devices and the splits; the encoder's own {plan.encoder.devices} "
                      "devices need the decoupled runtime")
-        lines.append("  --flow-allocator refuses this plan at start-up: this version runs a decoupled plan only in "
-                     "`mindspeed-flow train`; for a Megatron / MindSpeed-MM job plan with `placements: [colocated]`")
+        enc, bb = plan.encoder, plan.backbone
+        if enc.dp % bb.dp:
+            lines.append(f"  no decoupled layout runs this plan: its {enc.dp} encoder replicas do not split over its "
+                         f"{bb.dp} backbone replicas (plan with `encoder_split: true`)")
+        else:
+            lines.append(f"  or apply it at start-up, on {plan.devices} ranks, with the plugin's pool feature: "
+                         "--use-flowtrain (or --flow-pool) --flow-allocator --flow-allocator-plan PLAN.yaml "
+                         "(write it with --out); docs/decoupled.md")
     else:
         lines.append(f"  or apply it at start-up: --flow-allocator --flow-allocator-plan PLAN.yaml "
                      "(write it with --out)")

@@ -22,14 +22,15 @@ def _shape(candidate, placement: str) -> Shape:
     return placement, candidate.tp, candidate.pp, candidate.micro_batch
 
 
-def megatron_block_pairs(found: CandidateSet) -> list[tuple[list[int], list[int]]]:
-    """``(encoders, backbones)`` index groups that cannot share one Megatron world
-    (:attr:`Workload.megatron_blocks`): the encoder's devices not a multiple of the
-    backbone's ``tp x pp`` block, or its replicas not a multiple of the backbone's.  One
-    group per backbone (block, replicas), so the MILP gets one row per group."""
+def unrunnable_pairs(found: CandidateSet, blocks: bool = True) -> list[tuple[list[int], list[int]]]:
+    """``(encoders, backbones)`` index groups no runtime of the workload runs together: the
+    encoder's replicas not a multiple of the backbone's (:attr:`Workload.encoder_split`),
+    or with ``blocks`` (:attr:`Workload.megatron_blocks`: one Megatron world) also its
+    devices not a multiple of the backbone's ``tp x pp`` block.  One group per backbone
+    (block, replicas), so the MILP gets one row per group."""
     groups: dict[tuple[int, int], list[int]] = {}
     for j, b in enumerate(found.backbones):
-        groups.setdefault((b.tp * b.pp, b.dp), []).append(j)
+        groups.setdefault((b.tp * b.pp if blocks else 1, b.dp), []).append(j)
     out = []
     for (block, dp), backbones in groups.items():
         encoders = [i for i, e in enumerate(found.encoders) if e.devices % block or e.dp % dp]
@@ -48,8 +49,8 @@ def build_milp(found: CandidateSet, joints: list, budget: int, excluded: list[Sh
         budget, [j.rate for j in joints], [j.devices for j in joints], [j.dp for j in joints],
         exact_budget=workload.exact_devices, verbose=verbose,
     )
-    if workload.megatron_blocks:
-        for encoders, backbones in megatron_block_pairs(found):
+    if workload.megatron_blocks or workload.encoder_split:
+        for encoders, backbones in unrunnable_pairs(found, blocks=workload.megatron_blocks):
             milp.forbid_pairs(encoders, backbones)
     banned = [i for i, b in enumerate(found.backbones) if _shape(b, "decoupled") in excluded]
     if banned:
@@ -95,7 +96,9 @@ def to_plan(found: CandidateSet, joints: list, choice: Choice, model: ModelSpec,
 
 def runtime_requirements(workload: Workload) -> list[str]:
     """The workload's runtime requirements, named for a diagnosis."""
-    named = [("megatron_blocks", workload.megatron_blocks), ("exact_devices", workload.exact_devices)]
+    named = [("megatron_blocks", workload.megatron_blocks),
+             ("encoder_split", workload.encoder_split and not workload.megatron_blocks),
+             ("exact_devices", workload.exact_devices)]
     return [name for name, on in named if on]
 
 
@@ -129,8 +132,8 @@ def solve(model_spec: ModelSpec, cluster_spec: ClusterSpec, proxy: ProxyModel, w
     backbone consumption, samples/s), then minimises their mismatch, then the devices used;
     with ``workload.alternatives`` runners-up, each with another backbone shape.  With
     ``"colocated"`` in ``workload.placements`` the encoder may also sit inside the
-    backbone's stage 0 (one strategy for both, :mod:`.colocated`).  ``workload.megatron_blocks``
-    and ``workload.exact_devices`` restrict the plans to those a fixed Megatron world runs
+    backbone's stage 0 (one strategy for both, :mod:`.colocated`).  ``workload.megatron_blocks``,
+    ``workload.encoder_split`` and ``workload.exact_devices`` restrict the plans to those a runtime runs
     (constraints of the MILP, so the plan is the best of those).  HiGHS prints nothing
     (not even its banner) unless ``verbose``.
 

@@ -146,6 +146,11 @@ class Workload:
             the encoder's devices (``dp x tp``) a multiple of the backbone's ``tp x pp``,
             and its replicas a multiple of the backbone's (each backbone replica is fed by
             as many encoder replicas: FlowTrain's ``DecoupledLayout``).  Off by default.
+        encoder_split: a decoupled plan's encoder replicas split evenly over its backbone
+            replicas (each backbone replica fed by encoder replicas of its own), what a
+            ``DecoupledLayout`` runs, without ``megatron_blocks``' block rule: MindSpeed-MM's
+            job under the ``pool`` feature builds each role's Megatron groups on its own ranks.
+            Implied by ``megatron_blocks``.  Off by default.
         exact_devices: use every device of the budget (a runtime whose world is fixed),
             not at most the budget.  Off by default.
     """
@@ -160,6 +165,7 @@ class Workload:
     alternatives: int = 3
     placements: tuple[str, ...] = ("decoupled", "colocated")
     megatron_blocks: bool = False
+    encoder_split: bool = False
     exact_devices: bool = False
 
     def __post_init__(self) -> None:

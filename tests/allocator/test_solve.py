@@ -166,7 +166,9 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workl
                 backbones.append((est.rate, tp * pp * dp, tp * pp, dp))
 
     def megatron_world(de, edp, block, bdp):  # the encoder fills whole blocks, its replicas split evenly
-        return not workload.megatron_blocks or (de % block == 0 and edp % bdp == 0)
+        blocks_ok = not workload.megatron_blocks or de % block == 0
+        split_ok = not (workload.megatron_blocks or workload.encoder_split) or edp % bdp == 0
+        return blocks_ok and split_ok
 
     def budget_ok(devices):
         return devices == cluster.devices if workload.exact_devices else devices <= cluster.devices
@@ -186,8 +188,10 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, proxy: ProxyModel, workl
 
 
 @pytest.mark.parametrize("runtime", [{}, {"megatron_blocks": True, "exact_devices": True},
-                                     {"megatron_blocks": True}, {"exact_devices": True}],
-                         ids=["free", "megatron-world", "megatron-blocks", "exact-devices"])
+                                     {"megatron_blocks": True}, {"exact_devices": True},
+                                     {"encoder_split": True}, {"encoder_split": True, "exact_devices": True}],
+                         ids=["free", "megatron-world", "megatron-blocks", "exact-devices", "encoder-split",
+                              "decoupled-layout-world"])
 def test_solve_matches_brute_force_on_random_instances(runtime):
     """The default problem (300 instances), and with the runtime requirements a fixed
     Megatron world imposes (100 instances each; the same seed, so the same instances)."""
@@ -215,6 +219,7 @@ def test_solve_matches_brute_force_on_random_instances(runtime):
         assert plan.throughput == pytest.approx(min(plan.predicted.production, plan.predicted.consumption))
         if workload.megatron_blocks and plan.placement == "decoupled":
             assert plan.encoder.devices % (plan.backbone.tp * plan.backbone.pp) == 0, f"case {case}"
+        if (workload.megatron_blocks or workload.encoder_split) and plan.placement == "decoupled":
             assert plan.encoder.dp % plan.backbone.dp == 0, f"case {case}"
         if workload.exact_devices:
             assert plan.devices == cluster.devices, f"case {case}"

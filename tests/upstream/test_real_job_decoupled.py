@@ -253,3 +253,40 @@ def test_pretrain_vlm_encoder_rank_dying_mid_step_ends_every_rank_naming_it(real
     assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*17", run.output), run.output[-3000:]
     assert run.wall_s < 300, run.wall_s
     assert set(SHM.glob("*mjob*")) <= before, "the pool outlived the job"
+
+
+ALLOCATOR_CONFIG = HERE / "allocator_decoupled.yaml"
+
+
+@pytest.mark.timeout(1200)
+def test_a_decoupled_plan_of_mindspeed_flow_plan_starts_pretrain_vlm(real_jobs, tmp_path):
+    """``mindspeed-flow plan allocator_decoupled.yaml --out plan.yaml`` (HiGHS over the real
+    job's tiny Qwen2.5-VL on 3 ranks, decoupled only, ``encoder_split``) chooses the ViT on 1
+    rank and the LLM at PP=2; ``pretrain_vlm.py`` started with the script's own PP=1 and
+    ``--flow-allocator --flow-allocator-plan plan.yaml`` runs exactly that layout: its run is
+    the one of ``--flow-schedule-config decoupled_layout.yaml`` (the same sizes) bit for bit,
+    losses and packs on every rank."""
+    import subprocess
+
+    from mindspeed_flow.allocator.plan import AllocationPlan
+    from realjob import RealJob
+    from test_real_job import FLOW, assert_finished
+
+    plan_file = tmp_path / "plan.yaml"
+    printed = subprocess.run([sys.executable, "-c", "import sys; from mindspeed_flow.cli import main; sys.exit(main())",
+                              "plan", str(ALLOCATOR_CONFIG), "--out", str(plan_file)],
+                             capture_output=True, text=True, timeout=300)
+    assert printed.returncode == 0, printed.stdout + printed.stderr
+    assert "--flow-allocator-plan PLAN.yaml" in printed.stdout
+    plan = AllocationPlan.load(plan_file)
+    assert (plan.placement, plan.encoder.dp, plan.encoder.tp, plan.backbone.dp, plan.backbone.tp, plan.backbone.pp) \
+        == ("decoupled", 1, 1, 1, 1, 2)
+    job = RealJob(pp=1, world_size=3, timeout_s=600,
+                  plugin=FLOW + ("--flow-allocator", "--flow-allocator-plan", str(plan_file)))
+    run = real_jobs.run("decoupled_from_plan", job)
+    assert_finished(run)
+    assert "pipeline_model_parallel_size 1 -> 2" in run.output, run.output[-3000:]
+    by_file = real_jobs.run("decoupled_vit1_pp2", _real_decoupled())
+    assert run.exact_losses == by_file.exact_losses
+    for rank in range(3):
+        assert _fed_by_rank(run, rank) == _fed_by_rank(by_file, rank), rank

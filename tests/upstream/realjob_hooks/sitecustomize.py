@@ -34,6 +34,14 @@ Fault injection (the fault tests only): ``REALJOB_DIE_AT=RANK:CALL:CODE`` ends r
 with ``os._exit(CODE)`` (no clean-up of its own, as a killed process) at its ``CALL``-th
 training forward of ``VLMModel``, after saying so on stderr.
 
+Compute emulation and module times (the layout benchmark only,
+``scripts/bench_realjob_layouts.py``): ``REALJOB_EMULATE=VIT_S:LLM_S`` makes each training
+forward of the ViT (``image_encoder``, on whichever rank holds it) sleep ``VIT_S`` seconds and
+each forward of an LLM stage (``text_decoder``) ``LLM_S`` seconds per local layer, and their
+backward twice that (a hook on the output's gradient), next to the real math: device time that
+ranks do not share, as separate devices would.  ``REALJOB_MODULE_TIMES=1`` records every
+training forward's wall time per module (``module_time`` records: sleep included).
+
 Observers (write JSON lines to ``$REALJOB_OBSERVE/observe_rank{RANK}.jsonl``):
 
 - ``VLMModel`` forward (a forward pre-hook with kwargs on each instance, registered right after
@@ -294,6 +302,7 @@ def _vlm_pre_hook(module, args, kwargs):
 
     if module.training and os.environ.get("REALJOB_DIE_AT"):
         _maybe_die()
+    _emulate(module)
 
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
@@ -413,12 +422,60 @@ def _observe_vlm(module) -> None:
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.register_forward_pre_hook(_vlm_pre_hook, with_kwargs=True)
+        _emulate(self)
         for sub in self.modules():
             if "DotProductAttention" in type(sub).__name__ and "text_decoder" in _path_of(self, sub):
                 sub.register_forward_pre_hook(_attention_pre_hook, with_kwargs=True)
 
     cls.__init__ = __init__
     _say("observer: VLMModel batches and the LLM's core-attention calls (instance forward pre-hooks)")
+
+
+def _timed_module(module, name: str, sleep_s: float) -> None:
+    """``module``'s training forwards sleep ``sleep_s`` (and their backward twice that) under
+    ``REALJOB_EMULATE``; under ``REALJOB_MODULE_TIMES`` each one's wall time is recorded."""
+    import time
+
+    if getattr(module, "_realjob_timed", False):
+        return
+    module._realjob_timed = True
+    record = os.environ.get("REALJOB_MODULE_TIMES") == "1"
+
+    def before(mod, args, kwargs):
+        if mod.training:
+            mod._realjob_started = time.perf_counter()
+            time.sleep(sleep_s)
+        return None
+
+    def after(mod, args, kwargs, output):
+        if not mod.training:
+            return None
+        if record:
+            _emit("module_time", module=name, forward_s=time.perf_counter() - mod._realjob_started,
+                  iteration=_iteration())
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        if sleep_s and getattr(first, "requires_grad", False):
+            first.register_hook(lambda grad: (time.sleep(2 * sleep_s), grad)[1])
+        return None
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after, with_kwargs=True)
+
+
+def _emulate(vlm) -> None:
+    """The ``REALJOB_EMULATE`` / ``REALJOB_MODULE_TIMES`` hooks on a ``VLMModel``'s parts, once
+    each: after ``__init__`` and again at each forward (a part a patch adds after the
+    observer's ``__init__``, as the transposed ViT replica, gets them there)."""
+    if not (os.environ.get("REALJOB_EMULATE") or os.environ.get("REALJOB_MODULE_TIMES")):
+        return
+    vit_s, llm_s = (float(x) for x in os.environ.get("REALJOB_EMULATE", "0:0").split(":"))
+    encoder = getattr(vlm, "image_encoder", None)
+    if encoder is not None:
+        _timed_module(encoder, "vit", vit_s)
+    decoder = getattr(vlm, "text_decoder", None)
+    if decoder is not None:
+        layers = len(getattr(getattr(decoder, "decoder", None), "layers", ())) or 1
+        _timed_module(decoder, "llm", llm_s * layers)
 
 
 def _path_of(root, target) -> str:
