@@ -21,3 +21,9 @@ class TransposeUnsupported(ScheduleConflict):
 
 class DeviceUnavailableError(FlowError, RuntimeError):
     """The requested profiling device (or enough of them, or its torch extension) is missing."""
+
+
+class CheckpointFormError(FlowError, ValueError):
+    """A checkpoint of the other layout (decoupled / co-located) that this rank cannot be
+    assembled from: other pipeline stages, a distributed optimizer, a file or its parameter
+    names missing."""

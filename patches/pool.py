@@ -10,6 +10,9 @@ from ``--flow-schedule-config`` (its ``decoupled:`` form) or a decoupled ``--flo
 - ``VLMModel.__init__`` builds this rank's part (ViT + projector, or its LLM stage);
 - the optimizer's gradient statistics (``--clip-grad``'s norm) are reduced over the slice,
   both roles together;
+- ``save_checkpoint`` also writes each file's optimizer parameter names and the layout's
+  form; ``load_checkpoint`` assembles a checkpoint of the other form (decoupled /
+  co-located) for this rank by name (:mod:`mindspeed_flow.adapters.megatron.role_checkpoint`);
 - ``get_forward_backward_func`` returns the decoupled step (the slice's plan through the
   runtime's executor and the pool), outside the schedule feature's own wrapper.
 
@@ -17,7 +20,7 @@ Without a decoupled layout every wrapper calls Megatron's / MindSpeed-MM's own f
 no pool is opened (the job's log says so).
 """
 
-from mindspeed_flow.adapters.megatron import decoupled_step, roles
+from mindspeed_flow.adapters.megatron import decoupled_step, role_checkpoint, roles
 from mindspeed_flow.adapters.mindspeed_mm import roles as mm_roles
 from mindspeed_flow.patching import Patch
 from mindspeed_flow.patching.versions import MEGATRON_LM, MINDSPEED_MM
@@ -69,6 +72,33 @@ PATCHES = [
         checked=(MEGATRON_LM,),
         order=20,
         description="decoupled layout: the gradient norm (--clip-grad) and found-inf over both roles of the slice",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.checkpointing:save_checkpoint",
+        wrapper=role_checkpoint.save_checkpoint_wrapper,
+        params="iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far",
+        checked=(MEGATRON_LM,),
+        order=20,
+        description="checkpoints: each file's optimizer parameter names and the layout's form beside it",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.checkpointing:load_checkpoint",
+        wrapper=role_checkpoint.load_checkpoint_wrapper,
+        params="ddp_model, optimizer, opt_param_scheduler",
+        checked=(MEGATRON_LM,),
+        order=20,
+        description="checkpoints: the model and optimizer being loaded, for the cross-layout assembly",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="megatron.training.checkpointing:_load_base_checkpoint",
+        wrapper=role_checkpoint.load_base_checkpoint_wrapper,
+        params="load_dir, args",
+        checked=(MEGATRON_LM,),
+        order=20,
+        description="checkpoints: a decoupled checkpoint assembled for a co-located rank, and back, by name",
     ),
     Patch(
         feature=FEATURE,

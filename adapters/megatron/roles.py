@@ -194,10 +194,11 @@ def check_supported(layout: Any, parsed: Any) -> None:
     - several encoder replicas per slice (``encoder_dp > 1``): Megatron's data loader shards
       the encoder ranks' samples by their own data-parallel rank, not by their slice's;
     - tensor parallelism in either role: the pool's TP view is not checked in Megatron's job;
-    - ``--save`` / ``--load`` in another format than ``--ckpt-format torch``: each role writes
-      the files of its own Megatron config (the encoder ``mp_rank_00``, the backbone
-      ``mp_rank_00_PPP``), which resume bit for bit; a distributed (``torch_dist``) checkpoint
-      of two configs in one world is not checked."""
+    - ``--save`` / ``--load`` in another format than ``--ckpt-format torch``, or with an
+      unpipelined backbone: each role writes the files of its own Megatron config (the encoder
+      ``mp_rank_00``, the backbone ``mp_rank_00_PPP``), which resume bit for bit; at
+      ``backbone_pp`` 1 both roles' files would be ``mp_rank_00``; a distributed
+      (``torch_dist``) checkpoint of two configs in one world is not checked."""
     reasons = []
     if layout.encoder_dp > 1:
         reasons.append(f"encoder_dp {layout.encoder_dp} > 1 (Megatron's data loader would feed the encoder "
@@ -210,6 +211,9 @@ def check_supported(layout: Any, parsed: Any) -> None:
         if value and fmt != "torch":
             reasons.append(f"{flag} {value} with --ckpt-format {fmt} (only --ckpt-format torch checkpoints of "
                            "the decoupled layout are checked to resume)")
+        elif value and layout.backbone_pp == 1:
+            reasons.append(f"{flag} {value} with backbone_pp 1 (the encoder's and the backbone's files would both "
+                           "be mp_rank_00)")
     if reasons:
         raise ValueError("the decoupled layout does not run here yet: " + "; ".join(reasons))
 

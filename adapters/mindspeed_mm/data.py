@@ -356,6 +356,10 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     )
     if getattr(margs, "load", None) and getattr(margs, "iteration", 0) > 0 and loader.decoding:
         path = loader_state_path(margs.load, margs.iteration, loader.dp_rank, spec.split)
+        if not os.path.isfile(path):  # a checkpoint of the other layout (decoupled / co-located)
+            from mindspeed_flow.adapters.megatron.role_checkpoint import loader_state_fallback
+
+            path = loader_state_fallback(path) if os.path.isfile(loader_state_fallback(path)) else path
         if os.path.isfile(path):
             loader.load_state_dict(torch.load(path, weights_only=False)["flow_loader"])
         else:

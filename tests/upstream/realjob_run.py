@@ -116,9 +116,11 @@ class RealRun:
 
     @property
     def steps(self) -> dict[int, dict]:
-        """{iteration: {"losses": {...} full precision, "grad_norm": ...}} from the last stage."""
-        last = self.job.pp - 1
-        return {s["iteration"]: s for s in self._of("step") if s.get("pp", 0) == last and s.get("tp", 0) == 0
+        """{iteration: {"losses": {...} full precision, "grad_norm": ...}} from the last stage (the
+        job's last, or a later one where a plan set the pipeline size: the largest seen)."""
+        steps = self._of("step")
+        last = max([self.job.pp - 1] + [s.get("pp") or 0 for s in steps])
+        return {s["iteration"]: s for s in steps if s.get("pp", 0) == last and s.get("tp", 0) == 0
                 and s.get("dp", 0) == 0}
 
     @property

@@ -290,3 +290,35 @@ def test_a_decoupled_plan_of_mindspeed_flow_plan_starts_pretrain_vlm(real_jobs, 
     assert run.exact_losses == by_file.exact_losses
     for rank in range(3):
         assert _fed_by_rank(run, rank) == _fed_by_rank(by_file, rank), rank
+
+
+@pytest.mark.timeout(1800)
+def test_checkpoints_cross_between_the_decoupled_and_the_colocated_layout(real_jobs):
+    """A co-located ``--use-flowtrain`` PP=2 run saved at K resumes in the decoupled layout, and
+    a decoupled run saved at K resumes co-located (``--ckpt-format torch``, optimizer state
+    loaded): the pool feature writes each file's optimizer parameter names, and the loading
+    rank assembles its checkpoint from the other layout's files by name (the encoder rank from
+    stage 0's ``image_encoder.*``, co-located stage 0 from the encoder's and the first stage's
+    files).  Each resumed run continues the curve of the run that saved (the same weights,
+    Adam moments, scheduler, data position: BF16_RTOL per iteration; measured here: bit for
+    bit) and is fed that run's packs."""
+    from test_real_job import BF16_RTOL, ITERS, K, assert_finished
+    from test_real_job_pipeline import PIPELINE_JOBS
+
+    colocated, decoupled = PIPELINE_JOBS["flow_pp2"], _real_decoupled()
+    co_saved = real_jobs.run("flow_pp2_save", replace(colocated, save="ckpt", save_interval=K, exit_interval=K))
+    dec_saved = real_jobs.run("decoupled_vit1_pp2_save", replace(decoupled, save="ckpt", save_interval=K,
+                                                                 exit_interval=K))
+    legs = {
+        "decoupled from co-located": (real_jobs.run("decoupled_from_colocated", replace(
+            decoupled, load=str(co_saved.workdir / "ckpt"))), real_jobs.run("flow_pp2", colocated)),
+        "co-located from decoupled": (real_jobs.run("colocated_from_decoupled", replace(
+            colocated, load=str(dec_saved.workdir / "ckpt"))), real_jobs.run("decoupled_vit1_pp2", decoupled)),
+    }
+    for leg, (resumed, whole) in legs.items():
+        assert_finished(resumed, first=K + 1, last=ITERS)
+        for i in range(K + 1, ITERS + 1):
+            assert resumed.exact_losses[i] == pytest.approx(whole.exact_losses[i], rel=BF16_RTOL), (leg, i)
+        assert {i: c for i, c in whole.consumed.items() if i > K} == resumed.consumed, leg
+        packs = _fed_by_rank(resumed, 0)
+        assert packs and _fed_by_rank(whole, 0)[-len(packs):] == packs, leg  # the saved run's next packs

@@ -38,12 +38,13 @@ def test_a_world_that_is_not_the_layouts_is_refused_naming_both():
     ({"backbone_tp": 2}, {}, "backbone_tp 2 > 1"),
     ({}, {"save": "/ckpt", "ckpt_format": "torch_dist"}, "--save /ckpt with --ckpt-format torch_dist"),
     ({}, {"load": "/ckpt", "ckpt_format": "torch_dist"}, "--load /ckpt with --ckpt-format torch_dist"),
+    ({"backbone_pp": 1}, {"save": "/ckpt", "ckpt_format": "torch"}, "--save /ckpt with backbone_pp 1"),
 ])
 def test_what_this_version_does_not_run_is_refused_with_the_reason(fields, parsed, reason):
     with pytest.raises(ValueError, match=f"does not run here yet: .*{reason}"):
         roles.check_supported(layout(**fields), SimpleNamespace(**parsed))
     roles.check_supported(layout(), SimpleNamespace(save=None, load=None))
-    roles.check_supported(layout(), SimpleNamespace(save="/ckpt", load="/ckpt", ckpt_format="torch"))
+    roles.check_supported(layout(backbone_pp=2), SimpleNamespace(save="/ckpt", load="/ckpt", ckpt_format="torch"))
 
 
 def test_role_world_answers_for_the_role_and_puts_torch_distributed_back():
