@@ -21,11 +21,10 @@ no pool is opened (the job's log says so).
 """
 
 from mindspeed_flow.adapters.megatron import decoupled_step, role_checkpoint, roles
+from mindspeed_flow.adapters.megatron.decoupled_layout import DECOUPLED_FEATURE as FEATURE
 from mindspeed_flow.adapters.mindspeed_mm import roles as mm_roles
 from mindspeed_flow.patching import Patch
 from mindspeed_flow.patching.versions import MEGATRON_LM, MINDSPEED_MM
-
-FEATURE = "pool"
 
 
 def get_forward_backward_func_wrapper(wrapped, instance, args, kwargs):

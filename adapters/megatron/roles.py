@@ -86,12 +86,7 @@ def my_role(layout: Any, rank: int) -> RoleConfig:
 
 def check_world(layout: Any, world_size: int) -> None:
     """The job's world must be the layout's: refuse at start-up naming both numbers."""
-    if world_size != layout.world_size:
-        raise ValueError(
-            f"the decoupled layout needs {layout.world_size} ranks (encoder {len(layout.encoder_ranks)} = "
-            f"encoder_dp {layout.encoder_dp} x encoder_tp {layout.encoder_tp} x backbone_dp {layout.backbone_dp}, "
-            f"backbone {len(layout.backbone_ranks)} = backbone_pp {layout.backbone_pp} x backbone_tp "
-            f"{layout.backbone_tp} x backbone_dp {layout.backbone_dp}), but the job has WORLD_SIZE={world_size}")
+    layout.check_world_size(world_size, "this Megatron job")
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ def test_role_configs_split_the_world_encoder_first():
 
 
 def test_a_world_that_is_not_the_layouts_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"needs 3 ranks .* WORLD_SIZE=2"):
+    with pytest.raises(ValueError, match=r"this Megatron job: the decoupled layout needs 3 ranks .* world size is 2"):
         roles.check_world(layout(encoder_dp=1, backbone_pp=2, backbone_dp=1), 2)
     roles.check_world(layout(encoder_dp=1, backbone_pp=2, backbone_dp=1), 3)
 
