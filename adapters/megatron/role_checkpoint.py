@@ -139,6 +139,8 @@ def load_base_checkpoint_wrapper(wrapped: Callable, instance: Any, args: tuple, 
     if not os.path.isfile(tracker):
         return wrapped(*args, **kwargs)
     iteration, release = read_metadata(tracker)
+    if getattr(margs, "ckpt_step", None):  # --ckpt-step picks the iteration, as in Megatron's own load
+        iteration = margs.ckpt_step
     base = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     form_file = os.path.join(base, FORM)
     if not os.path.isfile(form_file):

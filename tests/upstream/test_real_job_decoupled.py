@@ -322,3 +322,42 @@ def test_checkpoints_cross_between_the_decoupled_and_the_colocated_layout(real_j
         assert {i: c for i, c in whole.consumed.items() if i > K} == resumed.consumed, leg
         packs = _fed_by_rank(resumed, 0)
         assert packs and _fed_by_rank(whole, 0)[-len(packs):] == packs, leg  # the saved run's next packs
+
+
+CLIP = 0.05  # below every iteration's gradient norm of the tiny model: Megatron clips every step
+
+
+def _grad_norms(run, rank: int) -> dict[int, float]:
+    """Iteration -> the gradient norm ``train_step`` returned on ``rank`` (Megatron's
+    optimizer computes it for ``--clip-grad``)."""
+    return {s["iteration"]: s["grad_norm"] for s in run._of("step") if s["rank"] == rank}
+
+
+@pytest.mark.timeout(1800)
+def test_gradient_clipping_in_pretrain_vlm_takes_the_whole_models_norm(real_jobs):
+    """``--clip-grad`` inside ``pretrain_vlm.py`` itself, decoupled: a co-located
+    ``--use-flowtrain`` PP=2 run with ``--clip-grad 0.05`` saves at K and goes on to ITERS; the
+    decoupled layout resumes from its iteration K (``--ckpt-step``).  Megatron's optimizer clips
+    every one of these steps (each norm is above 0.05), by the norm of the whole model's
+    gradients: on every decoupled rank (the encoder rank included) the norm is the co-located
+    run's, and so are the losses (BF16_RTOL).  A norm over one role's parameters only (Megatron's
+    model-parallel group of that role) would scale the two roles' gradients differently."""
+    from test_real_job import BF16_RTOL, ITERS, K, assert_finished
+    from test_real_job_pipeline import PIPELINE_JOBS
+
+    clip = ("--clip-grad", str(CLIP))
+    colocated = real_jobs.run("flow_pp2_clip", replace(PIPELINE_JOBS["flow_pp2"], save="ckpt", save_interval=K,
+                                                       extra_args=clip))
+    assert_finished(colocated)
+    resumed = real_jobs.run("decoupled_clip_from_colocated", replace(
+        _real_decoupled(), load=str(colocated.workdir / "ckpt"), extra_args=clip + ("--ckpt-step", str(K))))
+    assert_finished(resumed, first=K + 1, last=ITERS)
+    whole = {i: n for i, n in _grad_norms(colocated, 1).items() if i > K}  # the co-located last stage
+    assert sorted(whole) == list(range(K + 1, ITERS + 1)) and all(n > CLIP for n in whole.values()), whole
+    for rank in range(3):
+        norms = _grad_norms(resumed, rank)
+        assert sorted(norms) == sorted(whole), (rank, norms)
+        for i, norm in whole.items():
+            assert norms[i] == pytest.approx(norm, rel=BF16_RTOL), (rank, i, norms[i], norm)
+    for i in whole:
+        assert resumed.exact_losses[i] == pytest.approx(colocated.exact_losses[i], rel=BF16_RTOL), i
