@@ -32,8 +32,10 @@ from enum import Enum
 from typing import Iterator, Mapping
 
 from ..schedule.actions import BACKWARDS, COMPUTE, Action, Kind
+from ..schedule.errors import ScheduleError
 from ..schedule.keys import BoundaryKey, BoundaryKind, CollectiveKey
 from ..schedule.plan import Plan
+from .errors import where
 
 Channel = BoundaryKey | CollectiveKey
 
@@ -141,10 +143,25 @@ class Lowered:
 
 def lower(plan: Plan, forward_only: bool = False) -> Lowered:
     """Every rank's program of ``plan`` as the runtime runs it (``forward_only``: without
-    backwards, gradient transfers and reduces)."""
+    backwards, gradient transfers and reduces).  A flow plan is refused (see
+    :func:`refuse_per_sample`)."""
+    refuse_per_sample(plan)
     tags = number_tags(plan)
     return Lowered(plan, forward_only, {rank: tuple(_lower_program(rank, program, tags, forward_only))
                                         for rank, program in plan.programs.items()})
+
+
+def refuse_per_sample(plan: Plan) -> None:
+    """Raise :class:`.ScheduleError` naming the first per-sample pool transfer of ``plan``: a
+    flow plan (:mod:`mindspeed_flow.flow.plan`) moves each sample's embeddings on its own, and
+    the runtime's messages are addressed by (key, microbatch), so it cannot run one yet."""
+    for rank, program in sorted(plan.programs.items()):
+        for i, a in enumerate(program):
+            if a.sample is not None:
+                raise ScheduleError(
+                    f"{where(rank, i, a)}: a flow plan (per-sample pool transfers) cannot "
+                    "run in the runtime yet: its pool messages are addressed by (key, microbatch), not by "
+                    "sample; simulate the plan instead (mindspeed_flow.schedule.simulate)")
 
 
 def as_lowered(plan: Plan | Lowered, forward_only: bool = False) -> Lowered:

@@ -47,6 +47,7 @@ MATCHING_RECV = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
 _TEXT = re.compile(
     r"^(?P<kind>\S+)\s+(?P<region>\S+?)\.s(?P<stage>\d+)"
     r"(?:\s+mb(?P<microbatch>\d+))?"
+    r"(?:\s+smp(?P<sample>\d+))?"
     r"(?:\s+(?P<arrow>->|<-)\s*r(?P<peer>\d+))?"
     r"(?:\s+\[(?P<key>[^\]]+)\])?"
     r"(?:\s+group=\[(?P<group>[\d,\s]*)\])?\s*$"
@@ -68,6 +69,9 @@ class Action:
             it fixes the tensor's shape, which varies per microbatch under packing); ``""``
             for computes and collectives.  Given as text it is parsed (:meth:`.BoundaryKey.parse`).
         group: the ranks of a collective.
+        sample: the sample a per-sample pool transfer carries (a flow plan, see
+            :mod:`mindspeed_flow.flow.plan`: the encoder puts each sample's embeddings and the
+            backbone gets them by sample, whatever their groups); ``None`` otherwise.
     """
 
     kind: Kind
@@ -77,6 +81,7 @@ class Action:
     peer: int | None = None
     key: BoundaryKey | str = ""
     group: tuple[int, ...] = ()
+    sample: int | None = None
 
     def __post_init__(self) -> None:
         if self.key and not isinstance(self.key, BoundaryKey):
@@ -89,13 +94,14 @@ class Action:
 
     @classmethod
     def from_str(cls, text: str) -> Action:
-        """Parse what ``str(action)`` prints (``SEND_A llm.s0 mb3 -> r1 [llm.s0:act]``),
+        """Parse what ``str(action)`` prints (``SEND_A llm.s0 mb3 -> r1 [llm.s0:act]``,
+        ``PUT vit.s0 mb0 smp7 -> r2 [vit.s0:act]``),
         so hand-edited programs can be read back; raises :class:`.ScheduleError` naming the
         fault."""
         match = _TEXT.match(text.strip())
         if not match:
             raise ScheduleError(
-                f"cannot read action {text.strip()!r}: expected `KIND region.sSTAGE [mbN] "
+                f"cannot read action {text.strip()!r}: expected `KIND region.sSTAGE [mbN] [smpS] "
                 "[-> rP | <- rP] [[key]] [group=[r, ...]]`"
             )
         try:
@@ -125,12 +131,15 @@ class Action:
             peer=None if match["peer"] is None else int(match["peer"]),
             key=key,
             group=group,
+            sample=None if match["sample"] is None else int(match["sample"]),
         )
 
     def __str__(self) -> str:
         text = f"{self.kind.value:<6} {self.region}.s{self.stage}"
         if self.microbatch is not None:
             text += f" mb{self.microbatch}"
+        if self.sample is not None:
+            text += f" smp{self.sample}"
         if self.peer is not None:
             text += f" {'->' if self.kind in SENDS else '<-'} r{self.peer}"
         if self.key:

@@ -3,8 +3,9 @@
 Point-to-point transfers travel on channels ``(source, destination, key)``: one channel per
 boundary tensor and direction (one tag or one communicator per seam in the runtime), first
 in first out, so the k-th send on a channel meets the k-th receive on it.  Pool transfers
-are addressed by ``(key, microbatch)``: exactly one put and one get each, each naming the
-other's rank as its peer.  A collective meets the same collective (kind, region, group) of
+are addressed by ``(key, microbatch)``, or ``(key, sample)`` for a flow plan's per-sample
+transfers (the put's and the get's groups differ): exactly one put and one get each, each
+naming the other's rank as its peer.  A collective meets the same collective (kind, region, group) of
 every member, k-th with k-th.  The validator and the simulator both read programs through
 this one pairing.
 """
@@ -135,15 +136,16 @@ def _check_shape_keys(
 
 
 def _pair_pool(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref]) -> None:
-    ends: dict[tuple[str, int | None], dict[Kind, list[Ref]]] = defaultdict(lambda: defaultdict(list))
+    ends: dict[tuple[str, str], dict[Kind, list[Ref]]] = defaultdict(lambda: defaultdict(list))
     for rank, program in programs.items():
         for i, a in enumerate(program):
             if a.kind in (Kind.POOL_PUT, Kind.POOL_GET):
-                ends[(a.key, a.microbatch)][a.kind].append((rank, i))
+                address = f"mb{a.microbatch}" if a.sample is None else f"smp{a.sample}"
+                ends[(a.key, address)][a.kind].append((rank, i))
     for (key, m), by_kind in sorted(ends.items(), key=repr):
         puts, gets = by_kind[Kind.POOL_PUT], by_kind[Kind.POOL_GET]
         for ref in puts[1:] + gets[1:]:
-            raise ScheduleError(f"{describe(programs, ref)}: [{key}] mb{m} is pooled twice")
+            raise ScheduleError(f"{describe(programs, ref)}: [{key}] {m} is pooled twice")
         if not gets:
             raise ScheduleError(f"{describe(programs, puts[0])} is never taken from the pool")
         if not puts:
@@ -151,7 +153,7 @@ def _pair_pool(programs: Mapping[int, Sequence[Action]], partner: dict[Ref, Ref]
         for ref, other in ((puts[0], gets[0]), (gets[0], puts[0])):
             if programs[ref[0]][ref[1]].peer != other[0]:
                 raise ScheduleError(
-                    f"{describe(programs, ref)}: [{key}] mb{m} is pooled between this rank and "
+                    f"{describe(programs, ref)}: [{key}] {m} is pooled between this rank and "
                     f"rank {other[0]} ({describe(programs, other)}), not r{programs[ref[0]][ref[1]].peer}"
                 )
         partner[puts[0]], partner[gets[0]] = gets[0], puts[0]

@@ -7,7 +7,7 @@ that import this module, never the other way round: the text round trip and the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping
 
@@ -28,6 +28,9 @@ class Plan:
         roles: rank -> short label of what it runs.
         semantics: the blocking semantics the programs were made for and are checked and
             replayed under (``"eager"`` or ``"rendezvous"``, see :mod:`.validate`).
+        samples: a flow plan's groups (:mod:`mindspeed_flow.flow.plan`): microbatch -> the
+            ids of the samples it sends or takes through the pool one by one (its ``smp``
+            transfers).  Empty for every other plan.
     """
 
     regions: tuple[Region, ...]
@@ -36,6 +39,7 @@ class Plan:
     paths: tuple[tuple[Visit, ...], ...]
     roles: Mapping[int, str]
     semantics: str = "eager"
+    samples: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     @cached_property
     def visits(self) -> dict[tuple[int, str, int], tuple[int, Visit]]:

@@ -26,6 +26,14 @@ transposed     decoupled      pool       transposed owner puts, the decoupled ow
 decoupled      decoupled      pool       left owner puts, right owner gets
 =============  =============  =========  ==================================================
 
+A *flow* seam (:data:`FLOW`) is the pool addressed per sample instead of per microbatch:
+the two sides group the step's samples differently (FlowTrain's packing after encoding), so
+each encoder batch puts every sample's embeddings on its own (``PUT ... smpS``), the
+backbone's first stage gets the samples of each of its microbatches by sample, and gradients
+come back the same way.  No composition of skeletons produces it: the regrouping is data (a
+:class:`mindspeed_flow.flow.FlowGrouping`), and :func:`mindspeed_flow.flow.compose_flow`
+builds the plan, whose visits after the seam arrive ``inbound == FLOW``.
+
 Adjacent regions with *equal* skeletons form one segment and meet at no seam: a sharded
 segment cuts their layers together over its stages (a ViT inside stage 0), a replicated
 segment runs them back to back on the owner.  ``transposed -> transposed`` therefore never
@@ -41,6 +49,7 @@ from .skeletons import DECOUPLED, SHARDED, TRANSPOSED
 
 P2P = "p2p"
 POOL = "pool"
+FLOW = "flow"  # the pool, per sample (a flow plan)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,12 @@ Checks, in order, each raising :class:`.ScheduleError` naming the first fault:
 4. on every rank, each microbatch's input is there before a compute uses it and a tensor is
    computed before it is sent (so forward precedes backward and region order holds: with
    3, every dependency happens before its use);
+   In a flow plan (:mod:`mindspeed_flow.flow.plan`: the pool addressed per sample, the two
+   sides grouped differently) every sample is in one group on each side of the flow seam,
+   and the same walk follows samples: a sample's embeddings are made by its encoder batch's
+   forward before they are put, got before the backbone microbatch that holds it runs its
+   forward; its gradient is made by that microbatch's backward before it is put back, and got
+   before the encoder batch's backward;
 5. every trainable replicated region broadcasts its parameters before its first forward and
    reduces its gradients after its last backward, once on each replica, over exactly its
    replica group; no other collective exists; a ``max_in_flight`` window holds (see
@@ -36,7 +42,9 @@ from .execution import SEMANTICS, execute, explain
 from .keys import BoundaryKind
 from .pairing import describe, pair
 from .plan import Plan
+from .regions import backward_kinds
 from .replicas import check_replicas
+from .seams import FLOW
 
 ACT, GRAD, INPUT = BoundaryKind.ACT, BoundaryKind.GRAD, BoundaryKind.INPUT
 
@@ -51,6 +59,7 @@ def validate(plan: Plan, *, semantics: str | None = None) -> None:
         raise ScheduleError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     programs = plan.programs
     _check_actions(plan)
+    _check_samples(plan)
     _check_complete(plan)
     pairing = pair(programs, lambda rank, action: _counterpart(plan, rank, action))
     check_replicas(plan)
@@ -86,6 +95,35 @@ def _check_actions(plan: Plan) -> None:
                 raise ScheduleError(f"{where}: peer {a.peer} is not another rank")
 
 
+def _flow_side(plan: Plan, microbatch: int) -> str | None:
+    """Which side of a flow seam a group is on: ``"consumer"`` when its path starts after
+    the seam, ``"producer"`` when it ends before the model's last region; else ``None``."""
+    path = plan.paths[microbatch]
+    if path[0].inbound == FLOW:
+        return "consumer"
+    return "producer" if plan.samples and path[-1].region != plan.regions[-1].name else None
+
+
+def _check_samples(plan: Plan) -> None:
+    """Every sample of a flow plan is in exactly one producer group and one consumer group."""
+    where: dict[str, dict[int, int]] = {"producer": {}, "consumer": {}}
+    for m, ids in sorted(plan.samples.items()):
+        if not 0 <= m < len(plan.paths):
+            raise ScheduleError(f"the plan lists samples of mb{m}, which is not in 0..{len(plan.paths) - 1}")
+        side = _flow_side(plan, m)
+        if side is None:
+            raise ScheduleError(f"mb{m} lists samples {list(ids)} but its path meets no flow seam")
+        for s in ids:
+            if s in where[side]:
+                raise ScheduleError(f"smp{s} is in {side} groups mb{where[side][s]} and mb{m}: a sample is "
+                                    "grouped once on each side")
+            where[side][s] = m
+    for side, other in (("producer", "consumer"), ("consumer", "producer")):
+        for s, m in where[side].items():
+            if s not in where[other]:
+                raise ScheduleError(f"smp{s} of {side} group mb{m} is in no {other} group")
+
+
 def _check_complete(plan: Plan) -> None:
     seen = Counter(
         (a.kind, a.microbatch, a.region, a.stage)
@@ -115,12 +153,16 @@ _FORWARD, _INPUT_GRADS = "forward", "input-gradient backward"
 def _check_dataflow(plan: Plan, rank: int, program: Sequence[Action]) -> None:
     """Walk one program keeping the tensors it holds: inputs must be there before use."""
     held: set[tuple[Hashable, int]] = set()  # (boundary key or (visit, _FORWARD | _INPUT_GRADS), microbatch)
+    pooled: set[tuple[BoundaryKind, int]] = set()  # a flow plan's (act | grad, sample) on this rank
     for i, a in enumerate(program):
         if a.kind in COLLECTIVES:
             continue
         m = a.microbatch
         k, visit = plan.visits[(m, a.region, a.stage)]
         path = plan.paths[m]
+        if plan.samples:
+            if _check_sample_flow(plan, rank, i, a, pooled):
+                continue
         needs: list[Hashable] = []
         makes: list[Hashable] = []
         if a.kind is Kind.FORWARD:
@@ -145,6 +187,50 @@ def _check_dataflow(plan: Plan, rank: int, program: Sequence[Action]) -> None:
                     "earlier on this rank (microbatch order broken)"
                 )
         held.update((make, m) for make in makes)
+
+
+def _check_sample_flow(plan: Plan, rank: int, i: int, a: Action, pooled: set[tuple[BoundaryKind, int]]) -> bool:
+    """One action of a flow plan against the samples this rank holds; returns whether it
+    was a per-sample transfer (nothing else to check).  A group's forward makes (producer)
+    or needs (consumer) every sample's embeddings, its backward needs (producer) or makes
+    (consumer, when gradients flow further back) every sample's gradient; a put needs what
+    it sends, a get makes what it takes."""
+    where = describe(plan.programs, (rank, i))
+    group = plan.samples.get(a.microbatch, ())
+    if a.sample is not None:
+        if a.kind not in (Kind.POOL_PUT, Kind.POOL_GET):
+            raise ScheduleError(f"{where}: only a pool put or get carries a sample")
+        if a.sample not in group:
+            raise ScheduleError(f"{where}: smp{a.sample} is not one of mb{a.microbatch}'s samples {list(group)}")
+        if a.carries not in (ACT, GRAD):
+            raise ScheduleError(f"{where}: a sample's pool transfer carries act or grad, not {a.carries}")
+        if a.kind is Kind.POOL_GET:
+            pooled.add((a.carries, a.sample))
+        elif (a.carries, a.sample) not in pooled:
+            made_by = "its group's forward" if _flow_side(plan, a.microbatch) == "producer" else "its backward"
+            raise ScheduleError(f"{where}: puts {a.carries.value} of smp{a.sample} before {made_by} made it")
+        return True
+    side = _flow_side(plan, a.microbatch)
+    if side is None or a.kind not in COMPUTE or a.kind is Kind.BACKWARD_WEIGHT:
+        return False
+    visit = plan.visits[(a.microbatch, a.region, a.stage)][1]
+    path = plan.paths[a.microbatch]
+    forward = a.kind is Kind.FORWARD
+    if side == "producer" and visit is path[-1]:
+        needs, makes = (None, ACT) if forward else (GRAD, None)
+    elif side == "consumer" and visit is path[0]:
+        before = [r.name for r in plan.regions].index(a.region) - 1
+        upstream_backward = before >= 0 and backward_kinds(plan.regions)[plan.regions[before].name]
+        needs, makes = (ACT, None) if forward else (None, GRAD if upstream_backward else None)
+    else:
+        return False
+    for s in group:
+        if needs is not None and (needs, s) not in pooled:
+            raise ScheduleError(f"{where}: needs {needs.value} of smp{s} earlier on this rank "
+                                "(its pool get is missing or comes later)")
+        if makes is not None:
+            pooled.add((makes, s))
+    return False
 
 
 def _counterpart(plan: Plan, rank: int, action: Action) -> Action | None:

@@ -1,0 +1,21 @@
+"""FlowTrain's flow, in the core: per-sample embeddings through the pool, the backbone's
+microbatches packed after encoding.
+
+The encoder puts one pool entry per sample (:class:`SampleMeta` as its metadata, under
+:class:`SampleKey`); from that metadata alone :func:`group_step` groups a step twice, the
+backbone's microbatches by the LLM's cost (best-fit packing, zig-zag dispatch over PP x DP)
+and the encoder's batches by its own (:class:`EncoderCost`), in the order the backbone needs
+the samples; :func:`compose_flow` makes that step a schedule :class:`~mindspeed_flow.schedule.Plan`
+whose seam is the pool per sample, which ``validate`` checks sample by sample and
+``simulate`` replays with :func:`flow_costs`.  See ``docs/flow.md`` for what is not built yet.
+"""
+
+from .costs import flow_costs, group_seconds
+from .encoder_cost import EncoderCost
+from .errors import GroupingError, SampleError
+from .grouping import FlowGrouping, group_step
+from .meta import SampleKey, SampleMeta
+from .plan import compose_flow
+
+__all__ = ["EncoderCost", "FlowGrouping", "GroupingError", "SampleError", "SampleKey", "SampleMeta",
+           "compose_flow", "flow_costs", "group_seconds", "group_step"]

@@ -1,0 +1,16 @@
+"""Errors of the flow package: bad sample metadata or pool keys, and groupings that lose or
+repeat a sample."""
+
+from __future__ import annotations
+
+from ..errors import FlowError
+
+
+class SampleError(FlowError, ValueError):
+    """Sample metadata or a per-sample pool key that cannot be right (a negative count, an
+    image without patches, a key that is not ``flow/step<n>/act|grad/<sample id>``)."""
+
+
+class GroupingError(FlowError, ValueError):
+    """A step's grouping that cannot be made (a sample longer than a microbatch, a microbatch
+    count the samples cannot fill) or that loses or repeats a sample; the message names it."""

@@ -1,0 +1,219 @@
+"""One step's two groupings, from sample metadata alone: the backbone's microbatches and the
+encoder's batches.
+
+FlowTrain packs *after* encoding: the backbone's microbatches are made by the LLM's cost and
+the encoder's batches by the encoder's, so neither side inherits the other's grouping.
+
+- **LLM microbatches**: best-fit packing of the samples' LLM token counts into packs of
+  ``capacity`` tokens (:func:`mindspeed_flow.packing.pack`), dealt over the data-parallel
+  replicas and ordered for the pipeline by the LLM's cost (:func:`mindspeed_flow.packing.dispatch`:
+  snake deal, swap repair, zig-zag heavy/light order when ``pp > 1``).  Repacking alone makes
+  as few, as full microbatches as it can, and fewer microbatches widen the pipeline's
+  bubbles; ``microbatches=`` asks for the job's count instead, filled by cost (heaviest sample
+  first into the cheapest microbatch with room).  A pack count that does not divide over the
+  replicas is balanced up to the next multiple the same way.
+- **Encoder batches**: the samples with images, in the order the backbone needs them (the
+  first microbatch of every replica, then the second, ...), cut whenever the next sample would
+  take the batch's encoder cost (:class:`.EncoderCost`) over ``encoder_budget``, each batch to
+  the encoder replica that is free first (least cost so far), so the samples the backbone
+  needs first are encoded first and the replicas finish together.
+
+The result, :class:`FlowGrouping`, is frozen data; :meth:`FlowGrouping.check` refuses a
+grouping that lost or repeated a sample, naming it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Sequence
+
+from ..packing import CostModel, dispatch, pack
+from .encoder_cost import EncoderCost
+from .errors import GroupingError
+from .meta import SampleMeta
+
+LLM, ENCODER = "LLM microbatch", "encoder batch"
+
+
+@dataclass(frozen=True)
+class FlowGrouping:
+    """One step's samples grouped twice; groups are tuples of sample ids, in need order.
+
+    Attributes:
+        step: the training step.
+        samples: the step's samples (the loader's order).
+        microbatches: the backbone's microbatches, in the order they are needed: the first
+            microbatch of every data-parallel replica, then the second, ...
+        microbatch_replica: the data-parallel replica of each microbatch.
+        batches: the encoder's batches (samples with images only), in the order they are cut.
+        batch_replica: the encoder replica of each batch.
+        dp, pp: the backbone's data-parallel replicas and pipeline stages.
+        encoder_replicas: the encoder's replicas.
+    """
+
+    step: int
+    samples: tuple[SampleMeta, ...]
+    microbatches: tuple[tuple[int, ...], ...]
+    microbatch_replica: tuple[int, ...]
+    batches: tuple[tuple[int, ...], ...]
+    batch_replica: tuple[int, ...]
+    dp: int = 1
+    pp: int = 1
+    encoder_replicas: int = 1
+
+    @cached_property
+    def by_id(self) -> dict[int, SampleMeta]:
+        return {s.sample_id: s for s in self.samples}
+
+    def replica_microbatches(self, replica: int) -> list[int]:
+        """The microbatches (indices into :attr:`microbatches`) data-parallel replica ``replica``
+        trains, in its pipeline order."""
+        return [m for m, r in enumerate(self.microbatch_replica) if r == replica]
+
+    def replica_batches(self, replica: int) -> list[int]:
+        """The batches (indices into :attr:`batches`) encoder replica ``replica`` encodes, in order."""
+        return [b for b, r in enumerate(self.batch_replica) if r == replica]
+
+    def metas(self, group: Iterable[int]) -> list[SampleMeta]:
+        """The metadata of a group's sample ids."""
+        return [self.by_id[s] for s in group]
+
+    def check(self, sample_ids: Iterable[int]) -> None:
+        """Refuse a grouping in which a sample of ``sample_ids`` (the step's samples) is in no
+        microbatch or in two, or in which a sample with images is in no encoder batch or in
+        two, or that holds a sample the step does not have; the message names the sample."""
+        expected = list(sample_ids)
+        seen: set[int] = set()
+        for s in expected:
+            if s in seen:
+                raise GroupingError(f"step {self.step}: sample {s} is listed twice among the step's samples")
+            seen.add(s)
+        with_images = [s for s in expected if s in self.by_id and self.by_id[s].patches]
+        _check_once(self.step, LLM, self.microbatches, expected)
+        _check_once(self.step, ENCODER, self.batches, with_images)
+
+
+def _check_once(step: int, what: str, groups: Sequence[Sequence[int]], expected: Sequence[int]) -> None:
+    where: dict[int, list[int]] = defaultdict(list)
+    for g, ids in enumerate(groups):
+        for s in ids:
+            where[s].append(g)
+    for s in expected:
+        found = where.pop(s, [])
+        if not found:
+            raise GroupingError(f"step {step}: sample {s} is in no {what} (lost)")
+        if len(found) > 1:
+            raise GroupingError(f"step {step}: sample {s} is in {what}es {found} (repeated)")
+    for s, found in where.items():
+        raise GroupingError(f"step {step}: sample {s} in {what} {found[0]} is not one of the step's samples")
+
+
+def group_step(
+    samples: Sequence[SampleMeta],
+    *,
+    capacity: int,
+    llm_cost: CostModel,
+    encoder_cost: EncoderCost,
+    encoder_budget: float,
+    encoder_replicas: int = 1,
+    dp: int = 1,
+    pp: int = 1,
+    microbatches: int | None = None,
+) -> FlowGrouping:
+    """Group one step's ``samples`` for the backbone and for the encoder (see the module).
+
+    Args:
+        capacity: tokens per LLM microbatch.
+        llm_cost: the LLM's cost of a microbatch (``a*sum(l) + b*sum(l^2)``).
+        encoder_cost: the encoder's cost of a batch; ``encoder_budget`` bounds one batch's
+            cost (a sample over it alone gets a batch of its own).
+        encoder_replicas, dp, pp: encoder replicas; backbone data-parallel replicas and
+            pipeline stages.
+        microbatches: the job's microbatch count for the step (a multiple of ``dp``);
+            ``None``: as many as best-fit packing needs, rounded up to a multiple of ``dp``.
+    """
+    samples = tuple(samples)
+    step = _check_samples(samples, capacity)
+    for name, value in (("encoder_replicas", encoder_replicas), ("dp", dp), ("pp", pp)):
+        if value < 1:
+            raise GroupingError(f"group_step: {name} must be >= 1, got {value}")
+    if not encoder_budget > 0:
+        raise GroupingError(f"group_step: encoder_budget must be > 0, got {encoder_budget}")
+    if microbatches is not None and (microbatches < 1 or microbatches % dp):
+        raise GroupingError(f"group_step: microbatches={microbatches} is not a positive multiple of dp={dp}")
+    lengths = [s.llm_tokens for s in samples]
+    packs = [list(p) for p in pack(lengths, capacity)]
+    count = microbatches or -(-len(packs) // dp) * dp
+    if count != len(packs):
+        packs = _fill(samples, count, capacity, llm_cost)
+    costs = [llm_cost.cost([lengths[i] for i in p]) for p in packs]
+    per_replica = dispatch(costs, dp, pp)
+    needed = [(per_replica[d][k], d) for k in range(count // dp) for d in range(dp)]
+    llm_groups = tuple(tuple(samples[i].sample_id for i in packs[p]) for p, _ in needed)
+    batches, batch_replica = _encoder_batches(
+        [samples[i] for p, _ in needed for i in packs[p] if samples[i].patches],
+        encoder_cost, encoder_budget, encoder_replicas)
+    return FlowGrouping(step, samples, llm_groups, tuple(d for _, d in needed), batches, batch_replica,
+                        dp, pp, encoder_replicas)
+
+
+def _check_samples(samples: Sequence[SampleMeta], capacity: int) -> int:
+    """The step the samples belong to; refuses none, mixed steps, repeated ids, overlong."""
+    if not samples:
+        raise GroupingError("group_step: the step has no samples")
+    step, ids = samples[0].step, set()
+    for s in samples:
+        if s.step != step:
+            raise GroupingError(f"group_step: sample {s.sample_id} belongs to step {s.step}, not step {step}")
+        if s.sample_id in ids:
+            raise GroupingError(f"group_step: sample {s.sample_id} appears twice in step {step}")
+        ids.add(s.sample_id)
+        if s.llm_tokens > capacity:
+            raise GroupingError(f"group_step: sample {s.sample_id} has {s.llm_tokens} LLM tokens, more than a "
+                                f"microbatch's capacity of {capacity}")
+    return step
+
+
+def _fill(samples: Sequence[SampleMeta], count: int, capacity: int, llm_cost: CostModel) -> list[list[int]]:
+    """``count`` microbatches balanced by LLM cost: heaviest sample first, each into the
+    cheapest microbatch with room (fewer samples on ties, so none stays empty)."""
+    if count > len(samples):
+        raise GroupingError(f"group_step: {count} microbatches need at least {count} samples, "
+                            f"step {samples[0].step} has {len(samples)}")
+    groups: list[list[int]] = [[] for _ in range(count)]
+    loads, tokens = [0.0] * count, [0] * count
+    for i in sorted(range(len(samples)), key=lambda i: (-samples[i].llm_tokens, i)):
+        length = samples[i].llm_tokens
+        fits = [k for k in range(count) if tokens[k] + length <= capacity]
+        if not fits:
+            raise GroupingError(
+                f"group_step: sample {samples[i].sample_id} ({length} tokens) fits none of {count} microbatches "
+                f"of {capacity} tokens ({sum(s.llm_tokens for s in samples)} tokens in step {samples[i].step}); "
+                "ask for more microbatches")
+        k = min(fits, key=lambda k: (loads[k], len(groups[k]), k))
+        groups[k].append(i)
+        tokens[k] += length
+        loads[k] = llm_cost.cost([samples[j].llm_tokens for j in groups[k]])
+    return groups
+
+
+def _encoder_batches(
+    needed: Sequence[SampleMeta], encoder_cost: EncoderCost, budget: float, replicas: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Cut the samples (in need order) into batches within ``budget``; each batch to the
+    replica with the least cost so far (lowest index on ties)."""
+    batches: list[list[SampleMeta]] = []
+    for meta in needed:
+        if batches and encoder_cost.cost([*batches[-1], meta]) <= budget:
+            batches[-1].append(meta)
+        else:
+            batches.append([meta])
+    loads = [0.0] * replicas
+    owners = []
+    for batch in batches:
+        owner = min(range(replicas), key=lambda r: (loads[r], r))
+        owners.append(owner)
+        loads[owner] += encoder_cost.cost(batch)
+    return tuple(tuple(s.sample_id for s in b) for b in batches), tuple(owners)
