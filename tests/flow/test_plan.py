@@ -75,45 +75,32 @@ def test_sample_actions_print_and_read_back():
     assert f" smp{put.sample} " in str(put)
 
 
-def test_a_get_after_the_forward_that_needs_it_is_refused():
+# (rank, the action moved, where it goes, the refusal: {sample} is the moved action's sample)
+MISORDERED = {
+    "get after the forward that needs it": (
+        2, Kind.POOL_GET, Kind.FORWARD, r"`F +llm.s0 mb\d+`: needs act of smp{sample} earlier on this rank"),
+    "put before the forward that makes it": (
+        0, Kind.POOL_PUT, Kind.FORWARD,
+        r"`PUT +vit.s0 mb\d+ smp{sample} -> r2 \[vit.s0:act\]`: puts act of smp{sample} before its group's forward"),
+    "encoder backward before its gradients": (
+        0, Kind.POOL_GET, Kind.BACKWARD, r"`B +vit.s0 mb\d+`: needs grad of smp{sample} earlier on this rank"),
+    "gradient put before the backbone's backward": (
+        2, Kind.POOL_PUT, Kind.BACKWARD,
+        r"`PUT +llm.s0 mb\d+ smp{sample} -> r\d \[vit.s0:grad\]`: puts grad of smp{sample} before its backward"),
+}
+
+
+@pytest.mark.parametrize("case", MISORDERED, ids=list(MISORDERED))
+def test_a_misordered_sample_transfer_is_refused_naming_the_action(case):
+    """The rank's first action of one kind swaps sides with its first compute of another:
+    a get moves after the compute, a put before it."""
+    rank, transfer, compute, refusal = MISORDERED[case]
     plan = compose_flow(grouping())
-    first_stage = 2
-    get = index_of(plan, first_stage, lambda a: a.kind is Kind.POOL_GET)
-    forward = index_of(plan, first_stage, lambda a: a.kind is Kind.FORWARD)
-    broken = moved(plan, first_stage, get, forward)
-    sample = plan.programs[first_stage][get].sample
-    with pytest.raises(ScheduleError, match=rf"rank 2 action #{forward - 1} `F +llm.s0 mb\d+`: needs act "
-                                            rf"of smp{sample} earlier on this rank"):
-        validate(broken)
-
-
-def test_a_put_before_the_forward_that_makes_it_is_refused():
-    plan = compose_flow(grouping())
-    put = index_of(plan, 0, lambda a: a.kind is Kind.POOL_PUT)
-    broken = moved(plan, 0, put, 0)
-    sample = plan.programs[0][put].sample
-    with pytest.raises(ScheduleError, match=rf"rank 0 action #0 `PUT +vit.s0 mb\d+ smp{sample} -> r2 "
-                                            rf"\[vit.s0:act\]`: puts act of smp{sample} before its group's forward"):
-        validate(broken)
-
-
-def test_an_encoder_backward_before_its_gradients_is_refused():
-    plan = compose_flow(grouping())
-    get = index_of(plan, 0, lambda a: a.kind is Kind.POOL_GET)
-    backward = index_of(plan, 0, lambda a: a.kind is Kind.BACKWARD)
-    broken = moved(plan, 0, get, backward)
-    sample = plan.programs[0][get].sample
-    with pytest.raises(ScheduleError, match=rf"`B +vit.s0 mb\d+`: needs grad of smp{sample} earlier"):
-        validate(broken)
-
-
-def test_a_gradient_put_before_the_backbones_backward_is_refused():
-    plan = compose_flow(grouping())
-    put = index_of(plan, 2, lambda a: a.kind is Kind.POOL_PUT)
-    backward = index_of(plan, 2, lambda a: a.kind is Kind.BACKWARD)
-    broken = moved(plan, 2, put, backward)
-    with pytest.raises(ScheduleError, match=r"`PUT +llm.s0 mb\d+ smp\d+ -> r\d \[vit.s0:grad\]`: puts grad of "
-                                            r"smp\d+ before its backward made it"):
+    source = index_of(plan, rank, lambda a: a.kind is transfer)
+    target = index_of(plan, rank, lambda a: a.kind is compute)
+    broken = moved(plan, rank, source, target)
+    with pytest.raises(ScheduleError, match=rf"rank {rank} action #\d+ " + refusal.format(
+            sample=plan.programs[rank][source].sample)):
         validate(broken)
 
 
