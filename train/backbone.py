@@ -27,6 +27,7 @@ from .parts import INIT_STD, ModelConfig, init_by_name
 
 MAX_SEQUENCE_LENGTH = 1 << 15  # GPTModel wants one; RoPE builds its table per call
 SCALED = ("linear_proj.weight", "linear_fc2.weight")  # Megatron's output-layer init rule
+FUSED_ATTN = "fused_attn"  # the plugin's feature that serves THD batches in megatron-core's attention
 
 
 def _init_stage(stage: nn.Module, cfg: ModelConfig, layers: list[int]) -> None:
@@ -123,6 +124,22 @@ def packed_seq_params(batch: ModelBatch) -> Any:
     longest = int(batch.segments.diff().max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.segments, cu_seqlens_kv=batch.segments,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def enable_fused_attn() -> Any:
+    """Turn on the ``fused_attn`` patch of megatron-core's attention (varlen for packed THD
+    batches, what a ``packed`` stage needs) unless the plugin's registry already has it on;
+    returns the registry to remove when the run closes (``None`` when it was already on)."""
+    from mindspeed_flow.activation import current_registry
+    from mindspeed_flow.patches import fused_attn
+    from mindspeed_flow.patching import PatchRegistry
+
+    active = current_registry()
+    if active is not None and FUSED_ATTN in active.enabled:
+        return None
+    registry = PatchRegistry([p for p in fused_attn.PATCHES if p.module.startswith("megatron.")])
+    registry.enable({FUSED_ATTN})
+    return registry
 
 
 # --------------------------------------------------------------------------- plain PyTorch

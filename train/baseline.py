@@ -1,12 +1,18 @@
-"""The baseline run, MindSpeed-MM style: the ViT inside pipeline stage 0 of the LLM,
-megatron-core's own 1F1B, padded microbatches under dense masks, Conv3d patch embedding.
+"""The co-located runs, MindSpeed-MM style: the ViT inside pipeline stage 0 of the LLM and
+megatron-core's own 1F1B; with every switch off this is the baseline (padded microbatches
+under dense masks, Conv3d patch embedding), and the ablation chain's co-located runs turn
+the plugin's features on one at a time (:class:`~mindspeed_flow.train.runs.RunFeatures`):
+``packing`` (each microbatch one pack, its samples kept apart by a dense block-diagonal
+mask), ``varlen`` (varlen attention instead of masks: the ViT's varlen kernel, the LLM's THD
+``packed_seq_params`` through the plugin's ``fused_attn`` patch), ``conv_matmul`` (the matmul
+patch embedding); ``text_only`` drops the ViT (the text-only upper bound).
 
 Layout: PP = ``layout.baseline_pp`` x DP = ``world_size / PP`` from Megatron's
-``initialize_model_parallel``.  The step's samples, in order, are padded
+``initialize_model_parallel``.  Padded: the step's samples, in order, are padded
 ``data.micro_batch_size`` per microbatch and each data-parallel replica trains an even,
-contiguous share of those microbatches; in parity mode each replica trains its share of the
-packs themselves as dense block-diagonal microbatches (the same microbatches FlowTrain
-runs, only the attention differs).  The schedule is
+contiguous share of those microbatches; packed (and in parity mode, which turns packing on
+with the other switches as they are) each replica trains its share of the packs themselves
+(the same microbatches FlowTrain runs).  The schedule is
 ``forward_backward_pipelining_without_interleaving`` with ``variable_seq_lengths`` (every
 microbatch has its own shape) and ``calculate_per_token_loss`` (each microbatch's loss is
 already its share of the step loss, Megatron divides by nothing: see
@@ -16,11 +22,13 @@ those of the step loss.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from mindspeed_flow.adapters.megatron.parallel import destroy_model_parallel
 from mindspeed_flow.flat_grads import all_reduce_flat_grads
 from mindspeed_flow.schedule.regions import BACKBONE_REGION
+from mindspeed_flow.train.runs import RunFeatures
 from mindspeed_flow.train.stamps import MegatronStamps
 from mindspeed_flow.train.trainer import LocalStep, Trainer, even_split, replica_share
 
@@ -30,19 +38,32 @@ if TYPE_CHECKING:
     from mindspeed_flow.train.launch import DistEnv
 
 
+def colocated_features(pp: int, switches: RunFeatures) -> tuple[str, ...]:
+    """What a co-located run does, in the report's words."""
+    return ("no pipeline (megatron-core)" if pp == 1 else "1F1B (megatron-core)",
+            "no ViT (text only)" if switches.text_only else "ViT in stage 0",
+            "packs as microbatches" if switches.packing else "padded microbatches",
+            "varlen attention" if switches.varlen else
+            "dense block-diagonal masks" if switches.packing else "dense masks",
+            *(() if switches.text_only else ("Conv->Matmul" if switches.conv_matmul else "Conv3d",)))
+
+
 class BaselineTrainer(Trainer):
-    """The baseline on this rank: one pipeline stage of one data-parallel replica (stage 0
-    holds the ViT too)."""
+    """A co-located run on this rank: one pipeline stage of one data-parallel replica (stage
+    0 holds the ViT too, unless text only), with ``switches`` (all off: the baseline)."""
 
     name = "baseline"
-    features = ("1F1B (megatron-core)", "ViT in stage 0", "padded microbatches", "dense masks", "Conv3d")
 
-    def __init__(self, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> None:
+    def __init__(self, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False,
+                 switches: RunFeatures = RunFeatures()) -> None:
         from megatron.core import parallel_state
 
-        from mindspeed_flow.train.model import StageModule, build_gpt_stage, init_vision_encoder
+        from mindspeed_flow.train.model import StageModule, build_gpt_stage, enable_fused_attn, init_vision_encoder
 
+        if switches.decoupled:
+            raise ValueError("BaselineTrainer runs co-located layouts: a decoupled run is FlowTrainer's")
         super().__init__(cfg, env, parity=parity)
+        self.switches = dataclasses.replace(switches, packing=switches.packing or parity)
         pp = cfg.layout.baseline_pp
         if env.world_size % pp:
             raise ValueError(f"layout.baseline_pp={pp} does not divide the world of {env.world_size} ranks")
@@ -53,14 +74,17 @@ class BaselineTrainer(Trainer):
         self.dp_group = parallel_state.get_data_parallel_group()
         self.last_stage = self.stage == pp - 1
         layers = even_split(cfg.model.llm_layers, pp)
-        gpt = build_gpt_stage(cfg.model, layers, self.stage, packed=False)
-        vit = init_vision_encoder(cfg.model, conv_matmul=False, varlen=False) if self.stage == 0 else None
-        self.model = StageModule(gpt, vit=vit).to(env.device)
+        varlen, text_only = self.switches.varlen, self.switches.text_only
+        self.fused_attn = enable_fused_attn() if varlen else None
+        gpt = build_gpt_stage(cfg.model, layers, self.stage, packed=varlen)
+        vit = (init_vision_encoder(cfg.model, conv_matmul=self.switches.conv_matmul, varlen=varlen)
+               if self.stage == 0 and not text_only else None)
+        self.model = StageModule(gpt, vit=vit, text_only=text_only).to(env.device)
         self.modules = {"stage": self.model}
         self.role = f"pp{self.stage} dp{self.replica}" + (" (ViT + LLM)" if vit is not None else " (LLM)")
-        self.layout = f"PP={pp} x DP={self.replicas}, ViT in stage 0, LLM layers {layers}"
-        if pp == 1:  # megatron-core runs forward_backward_no_pipelining then: say so, not 1F1B
-            self.features = ("no pipeline (megatron-core)",) + self.features[1:]
+        where = "no ViT (text only)" if text_only else "ViT in stage 0"
+        self.layout = f"PP={pp} x DP={self.replicas}, {where}, LLM layers {layers}"
+        self.features = colocated_features(pp, self.switches)
         self.stamps = MegatronStamps(env.rank, env.device)
         self.stamps.install()
         if vit is not None:
@@ -70,9 +94,10 @@ class BaselineTrainer(Trainer):
     def microbatches(self, data: "StepData") -> list:
         from mindspeed_flow.train.batches import from_pack, padded_microbatches
 
-        if self.parity:
+        if self.switches.packing:
             mine = replica_share(len(data.packs), self.replica, self.replicas)
-            return [from_pack(data.packs[i], data.loss_tokens, "dense") for i in mine]
+            attention = "varlen" if self.switches.varlen else "dense"
+            return [from_pack(data.packs[i], data.loss_tokens, attention) for i in mine]
         # MindSpeed-MM's data parallelism: the step's samples in order, micro_batch_size per
         # microbatch, an even share of the microbatches per replica.
         padded = padded_microbatches(data.packs, self.cfg.data.micro_batch_size, data.loss_tokens,
@@ -101,5 +126,7 @@ class BaselineTrainer(Trainer):
 
     def close(self) -> None:
         self.stamps.remove()
+        if self.fused_attn is not None:
+            self.fused_attn.remove()
         destroy_model_parallel()
 

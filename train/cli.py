@@ -1,4 +1,5 @@
-"""``mindspeed-flow train CONFIG``: the main job (baseline, flowtrain, parity, resume check).
+"""``mindspeed-flow train CONFIG``: the main job (baseline, flowtrain, text-only upper bound,
+parity, resume check; ``--ablation``: every run of the ablation chain too).
 
 Only argument parsing lives here; the job and everything heavy is imported when the
 subcommand runs, so registering it costs nothing for the other subcommands.
@@ -10,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-RUN_KINDS = ("baseline", "flowtrain")
+from mindspeed_flow.train.runs import RUN_NAMES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,8 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("config", type=Path, metavar="CONFIG", help="YAML job config (configs/train/demo.yaml)")
     parser.add_argument("--steps", type=int, default=None, metavar="N", help="training steps (overrides the config)")
-    parser.add_argument("--only", choices=RUN_KINDS, default=None,
-                        help="train only this run (no parity run, no resume check)")
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument("--only", choices=RUN_NAMES, default=None,
+                      help="train only this run (no parity run; the resume check only with flowtrain)")
+    runs.add_argument("--ablation", action="store_true",
+                      help="every run: the ablation chain baseline -> packing -> varlen -> conv-matmul -> flowtrain "
+                           "(one feature at a time) and the text-only upper bound (default: baseline, flowtrain, "
+                           "text-only)")
     parser.add_argument("--parity", action="store_true",
                         help="only the parity run: both runs fed the same packs, losses asserted equal")
     parser.add_argument("--no-resume-check", action="store_true", help="skip the checkpoint/resume check")

@@ -19,8 +19,8 @@ from mindspeed_flow.typed_yaml import build, read_yaml
 
 POOL_BACKENDS = ("local", "shm", "torch")
 # layout keys that count ranks or microbatches: each must be >= 1 (checked at load, naming the key)
-LAYOUT_POSITIVE = ("world_size", "baseline_pp", "flow_encoder_dp", "flow_backbone_pp", "flow_backbone_dp",
-                   "max_ahead")
+LAYOUT_POSITIVE = ("world_size", "baseline_pp", "text_only_pp", "flow_encoder_dp", "flow_backbone_pp",
+                   "flow_backbone_dp", "max_ahead")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,10 @@ class LayoutConfig:
     set, adds a second baseline run at PP=``best_baseline_pp`` x DP=``world_size /
     best_baseline_pp`` (everything else the same), named ``baseline-pp<N>``: the baseline's
     best measured configuration, so FlowTrain is also compared with the baseline at its best
-    (docs/train.md).  FlowTrain takes its layout from the allocator when ``use_allocator`` is true
+    (docs/train.md).  ``text_only_pp``: the pipeline size of the text-only upper bound (the
+    backbone alone on every rank, PP=``text_only_pp`` x DP=``world_size / text_only_pp``;
+    default 1: a pure LLM this small trains fastest without a pipeline here, docs/train.md).
+    FlowTrain takes its layout from the allocator when ``use_allocator`` is true
     and the plan fits a ``DecoupledLayout``, otherwise from the three ``flow_*`` sizes
     (``flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp)`` must be ``world_size``).
     """
@@ -60,6 +63,7 @@ class LayoutConfig:
     world_size: int = 4
     baseline_pp: int = 2
     best_baseline_pp: Optional[int] = None  # None: no second baseline run
+    text_only_pp: int = 1
     use_allocator: bool = True
     flow_encoder_dp: int = 2
     flow_backbone_pp: int = 2
@@ -148,6 +152,8 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
     if not lay.use_allocator and lay.flow_backbone_dp * (lay.flow_encoder_dp + lay.flow_backbone_pp) != lay.world_size:
         problems.append(f"layout: flow_backbone_dp * (flow_encoder_dp + flow_backbone_pp) = {lay.flow_backbone_dp} * "
                         f"({lay.flow_encoder_dp} + {lay.flow_backbone_pp}) is not world_size {lay.world_size}")
+    if lay.text_only_pp >= 1 and lay.world_size % lay.text_only_pp:
+        problems.append(f"layout.text_only_pp: {lay.text_only_pp} does not divide layout.world_size {lay.world_size}")
     best = lay.best_baseline_pp
     if best is not None and (best < 1 or lay.world_size % best):
         problems.append(f"layout.best_baseline_pp: {best} must be >= 1 and divide layout.world_size {lay.world_size}")

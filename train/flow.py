@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from mindspeed_flow.adapters.megatron.parallel import destroy_model_parallel
 from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
+from mindspeed_flow.train.backbone import enable_fused_attn
 from mindspeed_flow.train.stamps import executor_intervals
 from mindspeed_flow.train.trainer import LocalStep, Trainer, replica_share
 
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from mindspeed_flow.train.feed import StepData
     from mindspeed_flow.train.launch import DistEnv
 
-FUSED_ATTN = "fused_attn"
 # The CPU cluster and measured profile the allocator plans the tiny model on.
 ALLOCATOR_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "allocator" / "tiny_cpu.yaml"
 ALLOCATOR_FEATURE = "allocator plan"
@@ -223,22 +223,6 @@ class FlowTrainer(Trainer):
         if self.fused_attn is not None:
             self.fused_attn.remove()
         destroy_model_parallel()
-
-
-def enable_fused_attn() -> Any:
-    """Turn on the ``fused_attn`` patch of megatron-core's attention (varlen for packed
-    batches) unless the plugin's registry already has it on; returns the registry to
-    remove in ``close()`` (``None`` when it was already on)."""
-    from mindspeed_flow.activation import current_registry
-    from mindspeed_flow.patches import fused_attn
-    from mindspeed_flow.patching import PatchRegistry
-
-    active = current_registry()
-    if active is not None and FUSED_ATTN in active.enabled:
-        return None
-    registry = PatchRegistry([p for p in fused_attn.PATCHES if p.module.startswith("megatron.")])
-    registry.enable({FUSED_ATTN})
-    return registry
 
 
 def pool_name(rank: int) -> str:

@@ -3,15 +3,19 @@ seconds per rank, so the phases share it).
 
 Phases, in order (``cli`` picks which):
 
-1. ``baseline``: the MindSpeed-MM-style run for ``steps`` steps; then, when
-   ``layout.best_baseline_pp`` is set, ``baseline-pp<N>``: the same baseline at that
-   pipeline size (its best configuration), same samples and init.
-2. ``flowtrain``: the ``--use-flowtrain`` run over the same steps' samples; after step
-   ``resume_at`` each rank writes a checkpoint (its trainer's model, optimizer and RNG
-   state, and the feed's loader state) to ``checkpoint_dir``.
-3. ``parity``: both runs again for ``parity_steps`` steps in parity mode (fed the same
-   packs); their step losses must agree (:class:`~mindspeed_flow.train.metrics.ParityResult`).
-4. ``resume``: a new flowtrain trainer and a new feed load that checkpoint from disk and
+1. the runs (:mod:`mindspeed_flow.train.runs`), each for ``steps`` steps over the same
+   samples from the same initialisation, in the catalogue's order: ``baseline`` (the
+   MindSpeed-MM-style run), ``baseline-pp<N>`` when ``layout.best_baseline_pp`` is set (the
+   baseline at its best pipeline size), the ablation chain's ``packing``, ``varlen``,
+   ``conv-matmul``, then ``flowtrain`` (the ``--use-flowtrain`` run: after step ``resume_at``
+   each rank writes a checkpoint - its trainer's model, optimizer and RNG state, and the
+   feed's loader state - to ``checkpoint_dir``), and ``text-only`` (the upper bound).  A
+   plain invocation trains :data:`~mindspeed_flow.train.runs.DEFAULT_RUNS` (and
+   ``baseline-pp<N>``); ``--ablation`` every run.
+2. ``parity``: the baseline and flowtrain again for ``parity_steps`` steps in parity mode
+   (fed the same packs); their step losses must agree
+   (:class:`~mindspeed_flow.train.metrics.ParityResult`).
+3. ``resume``: a new flowtrain trainer and a new feed load that checkpoint from disk and
    train steps ``resume_at + 1 .. steps``; the losses must equal the uninterrupted run's
    bit for bit, and the samples fed after the resume must be exactly the uninterrupted
    run's (none repeated, none skipped).
@@ -34,22 +38,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from mindspeed_flow.train.runs import BASELINE, DEFAULT_RUNS, FLOWTRAIN, RUN_NAMES, catalogue, select
+
 if TYPE_CHECKING:
     from mindspeed_flow.train.config import TrainConfig
     from mindspeed_flow.train.feed import StepFeed
     from mindspeed_flow.train.launch import DistEnv
     from mindspeed_flow.train.metrics import ParityResult, ResumeResult, RunRecord
+    from mindspeed_flow.train.runs import RunSpec
 
-RUNS = ("baseline", "flowtrain")
-RESUME_RUN = "flowtrain"
+RESUME_RUN = FLOWTRAIN
+PARITY_RUNS = (BASELINE, FLOWTRAIN)
 CHECKPOINT_FILE = "rank{rank:03d}.pt"
 
 
 @dataclass(frozen=True)
 class Phases:
-    """What one invocation runs."""
+    """What one invocation runs: the names of the runs (:func:`runs.select` resolves them
+    against the config), the parity phase, the resume phase."""
 
-    runs: tuple[str, ...] = RUNS
+    runs: tuple[str, ...] = DEFAULT_RUNS
     parity: bool = True
     resume: bool = True
 
@@ -60,15 +68,15 @@ class Phases:
         if args.only:
             return cls(runs=(args.only,), parity=False,
                        resume=args.only == RESUME_RUN and not args.no_resume_check)
-        return cls(runs=RUNS, parity=True, resume=not args.no_resume_check)
+        return cls(runs=RUN_NAMES if args.ablation else DEFAULT_RUNS, parity=True, resume=not args.no_resume_check)
 
     def with_best_baseline(self, cfg: "TrainConfig") -> "Phases":
-        """The best-configuration baseline right after the main one, when the config names
-        one and both runs train (``--only`` and ``--parity`` keep their single phase)."""
+        """The best-configuration baseline beside the main one, when the config names one
+        and several runs train (``--only`` and ``--parity`` keep their single phase)."""
         best = cfg.best_baseline()
-        if best is None or self.runs != RUNS:
+        if best is None or len(self.runs) < 2 or BASELINE not in self.runs:
             return self
-        return dataclasses.replace(self, runs=(RUNS[0], best[0], *RUNS[1:]))
+        return dataclasses.replace(self, runs=(*self.runs, best[0]))
 
 
 @dataclass
@@ -96,14 +104,15 @@ class RankResult:
 # ---------------------------------------------------------------------- on every rank
 
 
-def _train(kind: str, cfg: "TrainConfig", env: "DistEnv", emit: Callable, *, phase: str, parity: bool = False,
+def _train(spec: "RunSpec", env: "DistEnv", emit: Callable, *, phase: str, parity: bool = False,
            steps: int, checkpoint_at: Optional[int] = None, resume_from: Optional[Path] = None) -> RankRun:
-    """Build a trainer and a feed, train up to global step ``steps`` and close."""
+    """Build the run's trainer and a feed, train up to global step ``steps`` and close."""
     from mindspeed_flow.train.feed import StepFeed
     from mindspeed_flow.train.trainer import build_trainer
 
+    cfg = spec.cfg
     started = time.perf_counter()
-    trainer = build_trainer(kind, cfg, env, parity=parity)
+    trainer = build_trainer(spec.kind, cfg, env, parity=parity, switches=spec.features)
     try:
         feed = StepFeed(cfg, env)
         if resume_from is not None:
@@ -161,20 +170,19 @@ def rank_main(env: "DistEnv", emit: Callable, cfg: "TrainConfig", phases: Phases
     started_at = time.time()
     out: dict[str, RankRun] = {}
     checkpoint_at = cfg.resume_at if phases.resume else None
-    best = cfg.best_baseline()
-    for name in phases.runs:
-        kind, run_cfg = (RUNS[0], best[1]) if best is not None and name == best[0] else (name, cfg)
-        out[name] = _train(kind, run_cfg, env, emit, phase=name, steps=cfg.steps,
-                           checkpoint_at=checkpoint_at if name == RESUME_RUN else None)
+    runs = catalogue(cfg)
+    for spec in select(cfg, phases.runs):
+        out[spec.name] = _train(spec, env, emit, phase=spec.name, steps=cfg.steps,
+                                checkpoint_at=checkpoint_at if spec.name == RESUME_RUN else None)
     if phases.parity:
-        for kind in RUNS:
-            out[f"parity-{kind}"] = _train(kind, cfg, env, emit, phase=f"parity {kind}", parity=True,
+        for name in PARITY_RUNS:
+            out[f"parity-{name}"] = _train(runs[name], env, emit, phase=f"parity {name}", parity=True,
                                            steps=cfg.parity_steps)
     if phases.resume:
         if RESUME_RUN not in out:  # the uninterrupted run, with its checkpoint
-            out[RESUME_RUN] = _train(RESUME_RUN, cfg, env, emit, phase=RESUME_RUN, steps=cfg.steps,
+            out[RESUME_RUN] = _train(runs[RESUME_RUN], env, emit, phase=RESUME_RUN, steps=cfg.steps,
                                      checkpoint_at=cfg.resume_at)
-        out["resume"] = _train(RESUME_RUN, cfg, env, emit, phase="resume", steps=cfg.steps,
+        out["resume"] = _train(runs[RESUME_RUN], env, emit, phase="resume", steps=cfg.steps,
                                resume_from=cfg.checkpoint_path)
     return RankResult(out, started_at, time.time())
 
@@ -207,16 +215,18 @@ class Progress:
             self.bar = None
 
 
-def run_record(name: str, ranks: list[RankRun], world_size: int) -> "RunRecord":
+def run_record(spec: "RunSpec", ranks: list[RankRun], world_size: int) -> "RunRecord":
     """The report's record of one run from every rank's part: rank 0's steps, one record
-    per rank, and every rank's intervals of the last (measured) step as the timeline."""
+    per rank, every rank's intervals of the last (measured) step as the timeline, and the
+    run's place in the ablation chain."""
     from mindspeed_flow.train.metrics import RunRecord
 
     first = ranks[0]
     timeline = [iv for r in ranks if r.steps for iv in r.steps[-1].intervals]
-    return RunRecord(name=name, layout=first.info["layout"], world_size=world_size,
+    return RunRecord(name=spec.name, layout=first.info["layout"], world_size=world_size,
                      features=first.info["features"], plan_text=first.info["plan_text"], steps=first.steps,
-                     ranks=[r.rank_record for r in ranks], timeline=timeline, device=first.info["device"])
+                     ranks=[r.rank_record for r in ranks], timeline=timeline, device=first.info["device"],
+                     ablation_previous=spec.previous, ablation_adds=spec.adds)
 
 
 def compare_parity(results: list[RankResult]) -> "ParityResult":
@@ -224,7 +234,7 @@ def compare_parity(results: list[RankResult]) -> "ParityResult":
     all-reduced, step loss, so rank 0's are the runs')."""
     from mindspeed_flow.train.metrics import ParityResult
 
-    base, flow = results[0].runs["parity-baseline"], results[0].runs["parity-flowtrain"]
+    base, flow = (results[0].runs[f"parity-{name}"] for name in PARITY_RUNS)
     return ParityResult.compare([s.step for s in base.steps], [s.loss for s in base.steps],
                                 [s.loss for s in flow.steps])
 
@@ -284,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     phases = phases.with_best_baseline(cfg)
     print(f"mindspeed-flow train {args.config}: {cfg.layout.world_size} ranks, {cfg.steps} steps; phases: "
-          f"{', '.join(phases.runs) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
+          f"{', '.join(s.name for s in select(cfg, phases.runs)) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
           flush=True)
     progress = Progress()
     started, launched_at = time.perf_counter(), time.time()
@@ -316,7 +326,8 @@ def _report(cfg: "TrainConfig", phases: Phases, results: list[RankResult], noise
     from mindspeed_flow.train.report import format_table, write_report
 
     world = cfg.layout.world_size
-    records = [run_record(kind, [r.runs[kind] for r in results], world) for kind in phases.runs]
+    specs = select(cfg, phases.runs)
+    records = [run_record(spec, [r.runs[spec.name] for r in results], world) for spec in specs]
     parity = compare_parity(results) if phases.parity else None
     resume, same_samples = compare_resume(results, cfg) if phases.resume else (None, True)
     out = Path(cfg.report_dir)
@@ -325,8 +336,10 @@ def _report(cfg: "TrainConfig", phases: Phases, results: list[RankResult], noise
         print(format_table(records))
     write_report(records, out, parity=parity, resume=resume)
     phase_s = {name: max(r.runs[name].seconds for r in results) for name in results[0].runs}
+    switches = {spec.name: dataclasses.asdict(spec.features) for spec in specs}
     (out / "job.json").write_text(json.dumps({"config": config, **timing, "phase_s": phase_s, "ranks": world,
-                                              "resume_same_samples": same_samples}, indent=1) + "\n")
+                                              "run_switches": switches, "resume_same_samples": same_samples},
+                                             indent=1) + "\n")
     (out / "warnings.json").write_text(json.dumps(noise.to_json(), indent=1) + "\n")
     failed = []
     for check in (parity, resume):

@@ -20,6 +20,7 @@ Rules for the derived numbers (the report's table states them too):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
@@ -181,7 +182,9 @@ class RunRecord:
     ends at a global synchronisation, so its time differs across ranks by one collective);
     ``ranks`` holds one record per rank; ``timeline`` every rank's intervals of one measured
     step, for the Gantt chart; ``device`` what the ranks ran on (``"cpu"``, ``"cuda"``; empty:
-    not recorded).
+    not recorded); ``ablation_previous`` / ``ablation_adds``: the run before this one in the
+    ablation chain and the feature this run adds to it (``None`` outside the chain and for
+    its first run), what the report's "bought" column divides by.
     """
 
     name: str
@@ -193,6 +196,8 @@ class RunRecord:
     ranks: list[RankRecord]
     timeline: list[Interval]
     device: str = ""
+    ablation_previous: str | None = None
+    ablation_adds: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"RunRecord({self.name!r})"
@@ -204,6 +209,9 @@ class RunRecord:
         for iv in self.timeline:
             if iv.rank >= self.world_size:
                 raise MetricsError(f"{owner}: timeline interval {iv} on a rank outside world_size {self.world_size}")
+        if (self.ablation_previous is None) != (self.ablation_adds is None):
+            raise MetricsError(f"{owner}: ablation_previous and ablation_adds come together (the run before in the "
+                               f"chain and the feature added), got {self.ablation_previous!r} and {self.ablation_adds!r}")
         numbers = [s.step for s in self.steps]
         if numbers != sorted(set(numbers)):
             raise MetricsError(f"{owner}: steps must be strictly increasing, got {numbers}")
@@ -232,6 +240,11 @@ class RunRecord:
 
     def losses(self) -> list[float]:
         return [s.loss for s in self.steps]
+
+    def elapsed(self) -> list[float]:
+        """Training time at the end of each step: rank 0's step times summed (the builds,
+        feeds' start-up and other phases between runs are not in it)."""
+        return list(itertools.accumulate(s.step_s for s in self.steps))
 
     def derived(self) -> dict[str, float]:
         """The derived rates, as written to ``metrics.json``."""

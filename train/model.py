@@ -37,7 +37,8 @@ from torch import nn
 
 from mindspeed_flow.data.conversation import IGNORE
 
-from .backbone import build_gpt_stage, build_plain_stage, gpt_config, packed_seq_params  # noqa: F401 - the job's names
+from .backbone import (  # noqa: F401 - the job's names
+    build_gpt_stage, build_plain_stage, enable_fused_attn, gpt_config, packed_seq_params)
 from .batches import ModelBatch
 from .parts import ModelConfig  # noqa: F401 - the job's names (train.config reads it here)
 from .vision import VisionEncoder, image_cu_seqlens, init_vision_encoder  # noqa: F401 - the job's names
@@ -55,13 +56,19 @@ class StageModule(nn.Module):
     take the previous stage's hidden states.  The last stage returns the per-token loss
     ``[B, S]`` (0 where the next label is -100); others return hidden states ``[S, B, H]``.
 
+    ``text_only`` (the job's text-only upper bound): no image embeddings at all; every image
+    token is embedded by the token embedding like any text token, so the backbone sees the
+    same sequences as with images.
+
     ``gpt`` is either build of :mod:`.backbone`: megatron-core's stage, or the plain one
     (no rotary embedding: its positions are the mask's order).
     """
 
-    def __init__(self, gpt: nn.Module, *, vit: nn.Module | None = None) -> None:
+    def __init__(self, gpt: nn.Module, *, vit: nn.Module | None = None, text_only: bool = False) -> None:
         super().__init__()
-        self.gpt, self.vit = gpt, vit
+        if text_only and vit is not None:
+            raise ValueError("StageModule: a text-only stage runs no ViT")
+        self.gpt, self.vit, self.text_only = gpt, vit, text_only
         self.config, self.model_type = gpt.config, gpt.model_type  # what Megatron's schedules read
         self.image_token_id = gpt.flow_model_config.image_token_id
         self.image_input: torch.Tensor | None = None
@@ -69,7 +76,7 @@ class StageModule(nn.Module):
     def set_input_tensor(self, tensors: list) -> None:
         if not self.gpt.pre_process:
             self.gpt.set_input_tensor(tensors)
-        elif self.vit is None:
+        elif self.vit is None and not self.text_only:
             self.image_input = tensors[0]
 
     def forward(self, batch: ModelBatch) -> torch.Tensor:
@@ -89,7 +96,10 @@ class StageModule(nn.Module):
 
     def _embed(self, batch: ModelBatch) -> torch.Tensor:
         """``[S, B, H]`` token embeddings with the image embeddings scattered in, in the
-        row-major order of the image tokens (the order the loader keeps images in)."""
+        row-major order of the image tokens (the order the loader keeps images in); text
+        only: the token embeddings alone."""
+        if self.text_only:
+            return self.gpt.embedding(input_ids=batch.input_ids, position_ids=batch.position_ids).contiguous()
         image = self.vit(batch) if self.vit is not None else self.image_input
         is_image = batch.input_ids == self.image_token_id
         wanted = int(is_image.sum())

@@ -1,11 +1,16 @@
 """The main job's report: a terminal table and a ``report/`` folder built from the runs' records.
 
-``format_table`` is what the job prints at the end; ``write_report`` writes
+``format_table`` is what the job prints at the end: one line per run with its rates, its
+ratio to every baseline run, what its step of the ablation chain bought (its samples/s over
+the run before it in the chain) and its fraction of the text-only upper bound, the chain's
+verdict (which feature the largest gain came from), then one line per rank.
+``write_report`` writes
 
 * ``metrics.json``: every record (steps, intervals, ranks) and every derived number, so the
   report can be rebuilt and checked without rerunning (:func:`read_records`);
 * ``summary.md``: the table, the parity and resume verdicts, each run's layout / plan text;
-* ``loss_curves.png``: both runs' step losses (and the parity / resume curves when given);
+* ``loss_curves.png``: the runs' losses per step and over training time (and the parity /
+  resume curves when given);
 * ``gantt_<run>.png``: the measured timeline of one step, one row per rank (drawn with the
   schedule simulator's chart, :func:`mindspeed_flow.schedule.gantt.chart`);
 * ``memory.png``: peak memory per rank of each run.
@@ -32,11 +37,15 @@ from mindspeed_flow.train.metrics import (
     RunRecord,
     throughput_ratio,
 )
+from mindspeed_flow.train.runs import FLOWTRAIN, TEXT_ONLY
 
 BASELINE = "baseline"
 RULES = ("rates over the measured steps (every step but the first, warm-up one); tokens are real "
          "(non-padding) tokens; x <baseline run> = samples/s over that baseline run's (baseline: the "
          "MindSpeed-MM-style layout; baseline-ppN: the same baseline at PP=N, its best configuration); "
+         "bought = samples/s over the run before it in the ablation chain (baseline -> packing -> varlen -> "
+         "conv-matmul -> flowtrain, one feature more each); of text-only = samples/s over the text-only run's "
+         "(the same backbone on the same token sequences without the ViT: the upper bound); "
          "padding = 1 - real / computed tokens; idle = 1 - compute (F/B/W) time / step time per rank")
 # How a measured interval is drawn: compute bars fill the row (forward light, backward dark,
 # weight-gradient backward dotted); transfers are thin hatched bars under them.
@@ -56,6 +65,48 @@ def _baselines(records: Sequence[RunRecord]) -> list[RunRecord]:
     others = [r for r in records if r.name.startswith(BASELINE + "-")]
     main = _baseline(records)
     return ([main] if main is not None else []) + others
+
+
+def _text_only(records: Sequence[RunRecord]) -> RunRecord | None:
+    return next((r for r in records if r.name == TEXT_ONLY), None)
+
+
+def bought(records: Sequence[RunRecord]) -> dict[str, dict[str, float]]:
+    """What each step of the ablation chain bought: for every run whose previous run in the
+    chain is among ``records``, its samples/s and tokens/s over that run's."""
+    by_name = {r.name: r for r in records}
+    return {r.name: throughput_ratio(r, by_name[r.ablation_previous]) for r in records
+            if r.ablation_previous in by_name}
+
+
+def largest_gain(records: Sequence[RunRecord]) -> RunRecord | None:
+    """The chain's run whose step bought the most samples/s (``None``: no step measured)."""
+    gains = {name: ratio["samples_per_s"] for name, ratio in bought(records).items()
+             if math.isfinite(ratio["samples_per_s"])}
+    if not gains:
+        return None
+    return next(r for r in records if r.name == max(gains, key=gains.__getitem__))
+
+
+def _ablation_lines(records: Sequence[RunRecord]) -> list[str]:
+    """The chain's steps with what each bought, and which feature the largest gain came from."""
+    gains = bought(records)
+    best = largest_gain(records)
+    if best is None:
+        return []
+    steps = ", ".join(f"{r.name} {gains[r.name]['samples_per_s']:.2f}x" for r in records if r.name in gains)
+    return [f"ablation (each run's samples/s over the run before it, one feature more): {steps}",
+            f"the largest gain came from {best.ablation_adds}: {best.name} is "
+            f"{gains[best.name]['samples_per_s']:.2f}x {best.ablation_previous}"]
+
+
+def _text_only_lines(records: Sequence[RunRecord]) -> list[str]:
+    text, flow = _text_only(records), next((r for r in records if r.name == FLOWTRAIN), None)
+    if text is None or flow is None:
+        return []
+    fraction = throughput_ratio(flow, text)["samples_per_s"]
+    return [f"{flow.name} reaches {fraction:.0%} of the text-only throughput ({flow.samples_per_s():.2f} vs "
+            f"{text.samples_per_s():.2f} samples/s on the same token sequences; text-only: {text.layout})"]
 
 
 def _grid(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int) -> list[str]:
@@ -94,15 +145,30 @@ def format_table(records: Sequence[RunRecord]) -> str:
     run), then one line per rank of each run."""
     baselines = _baselines(records)
     columns: list[RunRecord | None] = list(baselines) or [None]  # no baseline run: one column of "-"
+    gains, text = bought(records), _text_only(records)
+    extra = (["bought"] if gains else []) + (["of text-only"] if text is not None else [])
+
+    def extras(r: RunRecord) -> list[str]:
+        cells = []
+        if gains:
+            ratio = gains.get(r.name, {}).get("samples_per_s", math.nan)
+            cells.append("-" if math.isnan(ratio) else f"{ratio:.2f}x")
+        if text is not None:
+            ratio = throughput_ratio(r, text)["samples_per_s"]
+            cells.append("-" if math.isnan(ratio) else f"{ratio:.0%}")
+        return cells
+
     runs = [[r.name, _devices(r), r.layout, f"{r.samples_per_s():.2f}", f"{r.tokens_per_s():.0f}",
-             *(_ratio_text(r, b) for b in columns), f"{r.padding_fraction():.1%}", f"{r.peak_memory_mb():.0f}"]
+             *(_ratio_text(r, b) for b in columns), *extras(r), f"{r.padding_fraction():.1%}",
+             f"{r.peak_memory_mb():.0f}"]
             for r in records]
     ranks = [[f"{r.name} r{k.rank}", k.role, f"{k.idle_fraction:.1%}", f"{k.busy_s:.3f}", f"{k.step_s:.3f}",
               f"{k.peak_memory_mb:.0f}"]
              for r in records for k in sorted(r.ranks, key=lambda k: k.rank)]
     ratios = [f"x {b.name if b else BASELINE}" for b in columns]
-    lines = _grid(["run", "devices", "layout", "samples/s", "tokens/s", *ratios, "padding", "peak MB"], runs, 3)
-    lines += _against_baselines(records, baselines)
+    lines = _grid(["run", "devices", "layout", "samples/s", "tokens/s", *ratios, *extra, "padding", "peak MB"],
+                  runs, 3)
+    lines += _against_baselines(records, baselines) + _ablation_lines(records) + _text_only_lines(records)
     lines += [""] + _grid(["rank", "role", "idle", "busy s", "step s", "peak MB"], ranks, 2)
     lines += [""] + textwrap.wrap(RULES, 100)
     return "\n".join(lines)
@@ -118,6 +184,7 @@ def metrics_json(records: Sequence[RunRecord], *, parity: ParityResult | None = 
     """Everything measured and derived, as written to ``metrics.json``."""
     base = _baseline(records)
     baselines = _baselines(records)
+    gains, text = bought(records), _text_only(records)
     runs = {}
     for r in records:
         entry: dict[str, Any] = {"derived": r.derived(), "record": r.to_json()}
@@ -126,8 +193,16 @@ def metrics_json(records: Sequence[RunRecord], *, parity: ParityResult | None = 
         if baselines:  # every baseline run by name (the MindSpeed-MM-style one and its best configuration)
             entry["ratio_to"] = {b.name: {k: _finite(v) for k, v in throughput_ratio(r, b).items()}
                                  for b in baselines}
+        if r.name in gains:  # its step of the ablation chain
+            entry["bought"] = {"previous": r.ablation_previous, "adds": r.ablation_adds,
+                               **{k: _finite(v) for k, v in gains[r.name].items()}}
+        if text is not None:
+            entry["fraction_of_text_only"] = {k: _finite(v) for k, v in throughput_ratio(r, text).items()}
         runs[r.name] = entry
-    return {"rules": RULES, "runs": runs,
+    best = largest_gain(records)
+    largest = None if best is None else {"run": best.name, "adds": best.ablation_adds,
+                                         "samples_per_s": _finite(gains[best.name]["samples_per_s"])}
+    return {"rules": RULES, "runs": runs, "largest_gain": largest,
             "parity": parity.to_json() if parity else None, "resume": resume.to_json() if resume else None}
 
 
@@ -204,23 +279,36 @@ def _save(plt: Any, fig: Any, path: Path) -> Path:
     return path
 
 
+_MARKERS = ("o", "s", "^", "v", "D", "x", "*", "P")
+
+
+def _style(index: int) -> dict:
+    """Each run its own marker, solid and dashed lines alternating: equal curves (same
+    samples, same init) stay visible on top of each other."""
+    return {"marker": _MARKERS[index % len(_MARKERS)], "markersize": 4, "linestyle": ("-", "--")[index % 2]}
+
+
 def loss_curves(records: Sequence[RunRecord], path: Path, *, parity: ParityResult | None = None,
                 resume: ResumeResult | None = None) -> Path | None:
-    """Step losses of the runs, and a panel each for the parity and resume comparisons when
-    given; nothing is written (``None``) when there is nothing to draw."""
+    """The runs' losses per step and over training time (the per-step curves of runs that
+    train the same model on the same samples are one line; over time they show which run
+    gets there first), and a panel each for the parity and resume comparisons when given;
+    nothing is written (``None``) when there is nothing to draw."""
     solid, dashed = {"marker": "o"}, {"marker": ".", "linestyle": "--"}
-    # (title, curves as (label, steps, losses, style), step after which a line is drawn)
-    panels: list[tuple[str, list[tuple[str, list[int], list[float], dict]], int | None]] = []
-    if records:  # alternating styles: equal curves (same samples, same init) stay both visible
-        panels.append(("step loss", [(r.name, [s.step for s in r.steps], r.losses(), (solid, dashed)[i % 2])
-                                     for i, r in enumerate(records)], None))
+    # (title, x label, curves as (label, x, losses, style), step after which a line is drawn)
+    panels: list[tuple[str, str, list[tuple[str, Sequence[float], list[float], dict]], int | None]] = []
+    if records:
+        panels.append(("step loss", "step", [(r.name, [s.step for s in r.steps], r.losses(), _style(i))
+                                             for i, r in enumerate(records)], None))
+        panels.append(("loss over training time (summed step times)", "seconds",
+                       [(r.name, r.elapsed(), r.losses(), _style(i)) for i, r in enumerate(records)], None))
     if parity is not None:
         panels.append((f"parity {'PASS' if parity.passed else 'FAIL'}: max rel dev {parity.max_rel_deviation:.1e}",
-                       [("baseline (same packs)", parity.steps, parity.baseline, solid),
-                        ("flowtrain (same packs)", parity.steps, parity.flowtrain, dashed)], None))
+                       "step", [("baseline (same packs)", parity.steps, parity.baseline, solid),
+                                ("flowtrain (same packs)", parity.steps, parity.flowtrain, dashed)], None))
     if resume is not None:
         panels.append((f"resume {'PASS' if resume.passed else 'FAIL'} ({resume.run}): "
-                       f"max dev {resume.max_abs_deviation:.1e}",
+                       f"max dev {resume.max_abs_deviation:.1e}", "step",
                        [("uninterrupted", resume.steps, resume.uninterrupted, solid),
                         ("stopped + resumed", resume.steps, resume.resumed, dashed)], resume.stop_step))
     if not panels:
@@ -229,14 +317,15 @@ def loss_curves(records: Sequence[RunRecord], path: Path, *, parity: ParityResul
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (title, curves, stop) in zip(axes[0], panels):
-        for label, steps, losses, style in curves:
-            ax.plot(steps, losses, label=label, **style)
+    for ax, (title, xlabel, curves, stop) in zip(axes[0], panels):
+        for label, xs, losses, style in curves:
+            ax.plot(xs, losses, label=label, **style)
         if stop is not None:
             ax.axvline(stop + 0.5, color="0.5", linewidth=0.8)
         ax.set_title(title, fontsize=10)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step")
+        if xlabel == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("loss")
         ax.legend(fontsize=8)
     return _save(plt, fig, path)

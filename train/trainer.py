@@ -1,8 +1,8 @@
 """What both runs share on one rank: the optimizer, the step loop around a run's forward and
 backward, gradient reduction, checkpointing and the rank's measured record.
 
-A run (:class:`~mindspeed_flow.train.baseline.BaselineTrainer`,
-:class:`~mindspeed_flow.train.flow.FlowTrainer`) only builds its modules and runs one step's
+A run (:class:`~mindspeed_flow.train.baseline.BaselineTrainer`: co-located, the baseline and
+the ablation chain's co-located runs; :class:`~mindspeed_flow.train.flow.FlowTrainer`) only builds its modules and runs one step's
 forward and backward; everything that must be *the same* in both runs lives here, so that
 parity and the report compare the runs and not two training loops:
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from mindspeed_flow.train.config import TrainConfig
     from mindspeed_flow.train.feed import StepData
     from mindspeed_flow.train.launch import DistEnv
+    from mindspeed_flow.train.runs import RunFeatures
 
 RUNS = ("baseline", "flowtrain")
 
@@ -247,15 +248,21 @@ def _copied(obj: Any) -> Any:
     return obj
 
 
-def build_trainer(kind: str, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> Trainer:
-    """The ``kind`` run (``"baseline"`` or ``"flowtrain"``) on this rank; collective: every
-    rank calls it at the same point."""
+def build_trainer(kind: str, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False,
+                  switches: "RunFeatures | None" = None) -> Trainer:
+    """The ``kind`` run (``"baseline"``: co-located, or ``"flowtrain"``: decoupled) on this
+    rank with ``switches`` (default: that kind's own, the baseline's all off); collective:
+    every rank calls it at the same point."""
+    from mindspeed_flow.train.runs import FLOWTRAIN_FEATURES, RunFeatures
+
     if kind == "baseline":
         from mindspeed_flow.train.baseline import BaselineTrainer
 
-        return BaselineTrainer(cfg, env, parity=parity)
+        return BaselineTrainer(cfg, env, parity=parity, switches=switches or RunFeatures())
     if kind == "flowtrain":
         from mindspeed_flow.train.flow import FlowTrainer
 
+        if switches not in (None, FLOWTRAIN_FEATURES):
+            raise ValueError(f"the flowtrain trainer runs {FLOWTRAIN_FEATURES}, not {switches}")
         return FlowTrainer(cfg, env, parity=parity)
     raise ValueError(f"unknown run {kind!r}: choose one of {', '.join(RUNS)}")

@@ -1,12 +1,16 @@
-"""The main job end to end: ``mindspeed-flow train configs/train/ci.yaml`` run once as the
-README runs it (a subprocess spawning 4 gloo ranks), then its report checked against
-itself: both runs finished every step over the same samples, parity losses agree, the
-resumed run continued exactly, and the report's numbers are the measured ones (rates
-recomputed from the per-step records, padding of the packed run below the baseline's).
-The terminal output is checked to stay readable (upstream warnings counted, not repeated)."""
+"""The main job end to end: ``mindspeed-flow train configs/train/ci.yaml --ablation`` run once
+as the README runs it (a subprocess spawning 4 gloo ranks; ``--ablation``: every run, the
+ablation chain and the text-only bound too), then its report checked against itself: every
+run finished every step over the same samples, parity losses agree, the resumed run
+continued exactly, the report's numbers are the measured ones (rates recomputed from the
+per-step records, padding of the packed run below the baseline's, each chain step's
+"bought" ratio from the two runs' samples/s), the chain's runs train the same model (same
+losses) and the text-only run the same token counts as flowtrain.  The terminal output is
+checked to stay readable (upstream warnings counted, not repeated)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -33,13 +37,13 @@ def _command() -> list[str]:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """One run of the CI config in a scratch directory (its own demo corpus under
-    outputs/demo_data there, the report in report/)."""
+    """One run of the CI config with every run (``--ablation``) in a scratch directory (its
+    own demo corpus under outputs/demo_data there, the report in report/)."""
     work = tmp_path_factory.mktemp("train_e2e")
     report = work / "report"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(_command() + ["train", str(CONFIG), "--report", str(report)], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(_command() + ["train", str(CONFIG), "--ablation", "--report", str(report)], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"mindspeed-flow train failed ({proc.returncode}):\n{output[-6000:]}"
     metrics = json.loads((report / "metrics.json").read_text())
@@ -88,8 +92,68 @@ def test_the_best_config_baseline_trains_the_same_steps_on_the_same_samples(job)
     assert f"x {name}" in job["output"] and (job["report"] / f"gantt_{name}.png").stat().st_size > 0
 
 
+def _table_cell(output: str, run: str, column: str) -> str:
+    """The terminal table's ``column`` of ``run``'s line (numbers are right-aligned under their header)."""
+    lines = output.splitlines()
+    header = next(line for line in lines if line.startswith("run ") and column in line)
+    row = next(line for line in lines[lines.index(header):] if line.startswith(run + " "))
+    return row[:header.index(column) + len(column)].split()[-1]
+
+
+def test_the_ablation_chain_trains_the_same_model_and_reports_what_each_feature_bought(job):
+    """Each chain run adds one switch to the run before it (job.json), trains the same steps
+    over the same samples to the same losses (packed samples attend only within themselves,
+    or the losses would differ from the padded baseline's), and its "bought" entry and table
+    cell are its samples/s over the run before's; the summary names the largest."""
+    from mindspeed_flow.train.runs import ablation_chain
+
+    cfg, runs = job["cfg"], job["metrics"]["runs"]
+    chain = ablation_chain(cfg)
+    switches = job["job"]["run_switches"]
+    base = _steps(job, "baseline")
+    gains = {}
+    for before, spec in zip(chain, chain[1:]):
+        assert switches[spec.name] == dataclasses.asdict(spec.features)
+        assert sum(switches[spec.name][k] != v for k, v in switches[before.name].items()) == 1
+        steps = _steps(job, spec.name)
+        assert [(s["step"], s["samples"], s["tokens"]) for s in steps] == [(s["step"], s["samples"], s["tokens"])
+                                                                         for s in base]
+        assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in base], rel=1e-4)
+        entry = runs[spec.name]
+        ratio = entry["derived"]["samples_per_s"] / runs[before.name]["derived"]["samples_per_s"]
+        assert entry["bought"] == {"previous": before.name, "adds": spec.adds,
+                                   "samples_per_s": pytest.approx(ratio, rel=1e-9),
+                                   "tokens_per_s": pytest.approx(ratio, rel=1e-9)}
+        assert _table_cell(job["output"], spec.name, "bought") == f"{ratio:.2f}x"
+        gains[spec.name] = ratio
+    assert _steps(job, "packing")[0]["padded_tokens"] == base[0]["tokens"] < base[0]["padded_tokens"]
+    assert "varlen attention" in runs["varlen"]["record"]["features"]
+    assert "Conv->Matmul" in runs["conv-matmul"]["record"]["features"]
+    best = max(gains, key=gains.__getitem__)
+    assert job["metrics"]["largest_gain"]["run"] == best
+    adds = next(spec.adds for spec in chain if spec.name == best)
+    assert f"the largest gain came from {adds}: {best} is {gains[best]:.2f}x" in job["output"]
+
+
+def test_the_text_only_run_feeds_flowtrains_token_counts_and_bounds_it(job):
+    """The upper bound: the same backbone on the same token sequences (the image tokens as
+    text), so every step has flowtrain's samples, real and computed tokens; no rank runs a
+    ViT; flowtrain's fraction of its throughput is the two measured rates' ratio."""
+    text, flow = _steps(job, "text-only"), _steps(job, "flowtrain")
+    assert [(s["step"], s["samples"], s["tokens"], s["padded_tokens"]) for s in text] == \
+        [(s["step"], s["samples"], s["tokens"], s["padded_tokens"]) for s in flow]
+    runs = job["metrics"]["runs"]
+    record = runs["text-only"]["record"]
+    assert all(r["role"].endswith("(LLM)") for r in record["ranks"])
+    assert {iv["region"] for iv in record["timeline"]} == {"llm"}
+    fraction = runs["flowtrain"]["derived"]["samples_per_s"] / runs["text-only"]["derived"]["samples_per_s"]
+    assert runs["flowtrain"]["fraction_of_text_only"]["samples_per_s"] == pytest.approx(fraction, rel=1e-9)
+    assert f"flowtrain reaches {fraction:.0%} of the text-only throughput" in job["output"]
+    assert _table_cell(job["output"], "flowtrain", "of text-only") == f"{fraction:.0%}"
+
+
 def test_report_rates_are_the_measured_ones(job):
-    for run in ("baseline", "flowtrain"):
+    for run in job["metrics"]["runs"]:
         entry = job["metrics"]["runs"][run]
         measured = entry["record"]["steps"][1:]  # the warm-up step is left out of the rates
         seconds = sum(s["step_s"] for s in measured)

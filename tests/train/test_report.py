@@ -6,6 +6,7 @@ wrong warm-up rule, a padded-token mix-up or an idle fraction over the wrong ste
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -21,7 +22,14 @@ from mindspeed_flow.train.metrics import (
     busy_seconds,
     throughput_ratio,
 )
-from mindspeed_flow.train.report import format_table, read_records, timeline_gantt, write_report
+from mindspeed_flow.train.report import (
+    bought,
+    format_table,
+    largest_gain,
+    read_records,
+    timeline_gantt,
+    write_report,
+)
 
 
 def _rank_steps(rank: int, step_times: list[float], scale: float) -> list[StepOutcome]:
@@ -166,6 +174,58 @@ def test_table_and_report_give_the_ratio_against_both_baselines(runs, tmp_path):
     assert metrics["runs"]["flowtrain"]["ratio_to_baseline"] == ratio_to["baseline"]  # the named baseline's
     assert "gantt_baseline-pp1.png" in {p.name for p in out.iterdir()}
     assert table in (out / "summary.md").read_text()
+
+
+def _chain_step(name: str, step_times: list[float], previous: str, adds: str) -> RunRecord:
+    return dataclasses.replace(_run(name, step_times, padded=False), ablation_previous=previous, ablation_adds=adds)
+
+
+def test_bought_is_each_chain_runs_samples_per_s_over_the_run_before_and_names_the_largest_gain(runs, tmp_path):
+    # measured steps of 2 s (baseline), 2.5 s (packing), 1 s (varlen), 0.8 s (flowtrain), 0.5 s (text-only):
+    # 8 samples each -> 2.0, 1.6, 4.0, 5.0, 8.0 samples/s; bought: 1.6/2 = 0.80x, 4/1.6 = 2.50x, 5/4 = 1.25x
+    base = runs[0]
+    packing = _chain_step("packing", [5.0, 2.5, 2.5], "baseline", "packing")
+    varlen = _chain_step("varlen", [5.0, 1.0, 1.0], "packing", "varlen attention")
+    flow = _chain_step("flowtrain", [4.0, 0.8, 0.8], "conv-matmul", "the decoupled layout")  # conv-matmul absent
+    text = _run("text-only", [4.0, 0.5, 0.5], padded=False)
+    records = [base, packing, varlen, flow, text]
+    rates = {r.name: r.samples_per_s() for r in records}
+    assert rates == pytest.approx({"baseline": 2.0, "packing": 1.6, "varlen": 4.0, "flowtrain": 5.0,
+                                   "text-only": 8.0})
+    assert bought(records) == {"packing": pytest.approx(throughput_ratio(packing, base)),
+                               "varlen": pytest.approx(throughput_ratio(varlen, packing))}
+    table = format_table(records)
+    header = table.splitlines()[0]
+
+    def cell(run: str, column: str) -> str:  # numbers are right-aligned under their header
+        line = next(line for line in table.splitlines() if line.startswith(run + " "))
+        return line[:header.index(column) + len(column)].split()[-1]
+
+    assert [cell(r.name, "bought") for r in records] == ["-", "0.80x", "2.50x", "-", "-"]
+    assert [cell(r.name, "of text-only") for r in records] == ["25%", "20%", "50%", "62%", "100%"]
+    assert largest_gain(records) is varlen
+    assert "the largest gain came from varlen attention: varlen is 2.50x packing" in table.splitlines()
+    assert any(line.startswith("flowtrain reaches 62% of the text-only throughput") for line in table.splitlines())
+    metrics = json.loads((write_report(records, tmp_path / "report") / "metrics.json").read_text())
+    for r in (packing, varlen):
+        entry = metrics["runs"][r.name]
+        assert entry["bought"]["samples_per_s"] == pytest.approx(
+            entry["derived"]["samples_per_s"] / metrics["runs"][r.ablation_previous]["derived"]["samples_per_s"])
+        assert (entry["bought"]["previous"], entry["bought"]["adds"]) == (r.ablation_previous, r.ablation_adds)
+    assert "bought" not in metrics["runs"]["flowtrain"] and "bought" not in metrics["runs"]["baseline"]
+    assert metrics["largest_gain"] == {"run": "varlen", "adds": "varlen attention",
+                                       "samples_per_s": pytest.approx(2.5)}
+    assert metrics["runs"]["flowtrain"]["fraction_of_text_only"]["samples_per_s"] == pytest.approx(5.0 / 8.0)
+    assert read_records(tmp_path / "report" / "metrics.json") == records
+    plain = format_table(runs).splitlines()[0].split()  # no chain, no bound: no such columns
+    assert "bought" not in plain and "text-only" not in plain
+    with pytest.raises(MetricsError, match="ablation_previous and ablation_adds come together"):
+        dataclasses.replace(packing, ablation_adds=None)
+
+
+def test_loss_over_training_time_sums_the_step_times(runs):
+    assert runs[0].elapsed() == pytest.approx([5.0, 7.0, 9.0])
+    assert runs[1].elapsed() == pytest.approx([4.0, 5.0, 6.0])
 
 
 def test_write_report_writes_every_file_with_the_records_numbers(runs, tmp_path):
