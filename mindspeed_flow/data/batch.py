@@ -28,7 +28,7 @@ import torch
 
 from .conversation import IGNORE
 from .decode import Sample
-from .images import normalize
+from .images import normalize_joined
 from .mrope import packed_position_ids
 
 TENSOR_KEYS = ("input_ids", "labels", "attention_mask", "cu_seqlens", "position_ids", "pixel_values",
@@ -74,7 +74,7 @@ def collate_pack(samples: Sequence[Sample], multiple: int = 1, pad_id: int = 0) 
         "attention_mask": attention_mask,
         "cu_seqlens": starts.to(torch.int32),
         "position_ids": packed_position_ids(positions),
-        "pixel_values": normalize(torch.cat([s.pixel_values for s in samples])),
+        "pixel_values": normalize_joined([s.pixel_values for s in samples]),
         "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).reshape(-1, 3),
         "sample_ids": [s.sample_id for s in samples],
     }

@@ -3,7 +3,8 @@
 Pipeline: :class:`.stream.RankStream` (this rank's shard, decoded in worker processes by
 torchdata's ``StatefulDataLoader``) -> the overlong policy (:mod:`.overlong`) ->
 ``BestFitPacker`` (open packs in a bounded window) -> ``dispatch`` (the packs of one step
-ordered by cost for the pipeline) -> :func:`.batch.collate_pack`.  With a ``group``, only
+ordered by cost for the pipeline) -> :func:`.batch.collate_pack` (the join, on
+``JOIN_THREADS`` threads of this process: packs are yielded in order).  With a ``group``, only
 the decoding rank reads; its TP/PP peers receive the batches from it (:mod:`.broadcast`):
 
 - in a training loop, one step at a time: :class:`.handoff.StepBatches` wraps the loader and
@@ -37,6 +38,7 @@ import os
 import pickle
 import warnings
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Sequence
 
@@ -65,6 +67,10 @@ STATE_FORMAT = 1
 RESUME_KEYS = ("dp_rank", "dp_size", "num_workers", "seed", "capacity", "window", "corpus_size", "shuffle",
                "overlong", "min_pixels", "max_pixels", "records")
 Key = tuple[int, int]  # (record index, chunk)
+# Packs joined at once on threads of the decoding process.  The join (normalising a pack's
+# pixels into a fresh float32 buffer) is most of this process's work and releases the GIL,
+# so joining on threads overlaps it with receiving the next samples from the workers.
+JOIN_THREADS = 2
 
 
 
@@ -175,6 +181,7 @@ class FlowDataLoader:
         self._held: dict[Key, Sample] = {}  # samples of open, closed-but-unordered and ready packs
         self._closed: list[list[Key]] = []  # closed packs waiting for their step's dispatch
         self._ready: deque[list[Key]] = deque()  # ordered packs, next to be yielded
+        self._joining: deque[tuple[list[Key], Future]] = deque()  # the next packs, being joined (in order)
         self._stream_state: Optional[dict] = None  # StatefulDataLoader state; None: epoch start
         self._drained = False  # True once the epoch's stream has ended (the packer is flushed)
         self._live: Optional[StatefulDataLoader] = None
@@ -202,21 +209,20 @@ class FlowDataLoader:
         return self._epoch()
 
     def _epoch(self) -> Iterator[dict[str, Any]]:
-        if not self._drained:
-            self._stream_state = self._current_stream_state()
-            loader = self._stream_loader()
-            self._live = loader
-            for item in loader:
-                self._take(item)
-                while self._ready:
-                    yield self._emit(self._ready.popleft())
-            self._live = None
-            self._stream_state = None
-            self._drained = True  # the epoch's records are all read; what is left is in the packer
-            self._closed.extend(self._packer.flush())
-            self._order_closed(final=True)
-        while self._ready:
-            yield self._emit(self._ready.popleft())
+        with ThreadPoolExecutor(JOIN_THREADS, thread_name_prefix="flow-join") as joiner:
+            if not self._drained:
+                self._stream_state = self._current_stream_state()
+                loader = self._stream_loader()
+                self._live = loader
+                for item in loader:
+                    self._take(item)
+                    yield from self._joined(joiner, final=False)
+                self._live = None
+                self._stream_state = None
+                self._drained = True  # the epoch's records are all read; what is left is in the packer
+                self._closed.extend(self._packer.flush())
+                self._order_closed(final=True)
+            yield from self._joined(joiner, final=True)
         self._drained = False
         self.epoch += 1
         self.stats.epochs += 1
@@ -272,8 +278,24 @@ class FlowDataLoader:
             (order,) = dispatch(costs, dp_size=1, pp_size=self.pp_size)
             self._ready.extend(step[i] for i in order)
 
-    def _emit(self, pack: list[Key]) -> dict[str, Any]:
-        batch = collate_pack([self._held.pop(k) for k in pack], self.pad_multiple, self._pad_id)
+    def _joined(self, joiner: ThreadPoolExecutor, final: bool) -> Iterator[dict[str, Any]]:
+        """Start joining ready packs (up to ``JOIN_THREADS`` ahead), then yield the joined ones
+        in order: the first pack as soon as it is joined, any pack when ``JOIN_THREADS`` are
+        in flight, all of them when ``final``.  A pack stays in ``_joining`` (and its samples in
+        ``_held``) until it is yielded, so a state taken meanwhile lists it as ready."""
+        while True:
+            while self._ready and len(self._joining) < JOIN_THREADS:
+                pack = self._ready.popleft()
+                samples = [self._held[k] for k in pack]
+                self._joining.append((pack, joiner.submit(collate_pack, samples, self.pad_multiple, self._pad_id)))
+            if not self._joining or not (final or self._ready or self._joining[0][1].done()):
+                return
+            pack, joined = self._joining.popleft()
+            yield self._emit(pack, joined.result())
+
+    def _emit(self, pack: list[Key], batch: dict[str, Any]) -> dict[str, Any]:
+        for k in pack:
+            del self._held[k]
         tokens = real_tokens(batch)
         self.stats.packs += 1
         self.stats.tokens += tokens
@@ -302,7 +324,7 @@ class FlowDataLoader:
             "packer": pickle.dumps(self._packer),
             "held": sorted(self._held),
             "closed": [list(p) for p in self._closed],
-            "ready": [list(p) for p in self._ready],
+            "ready": [list(p) for p, _ in self._joining] + [list(p) for p in self._ready],
             "stats": self.stats.to_dict(),
         }
 
@@ -319,6 +341,7 @@ class FlowDataLoader:
         if not self.decoding:
             return
         self._live = None  # an unfinished loop's position is replaced by the saved one
+        self._joining.clear()  # packs being joined are listed as ready in the state: joined again
         self.epoch = int(state["epoch"])
         self._stream_state = state["stream"]
         self._drained = bool(state["drained"])
