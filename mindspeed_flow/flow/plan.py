@@ -52,9 +52,12 @@ def compose_flow(
 ) -> Plan:
     """The per-rank programs of one step of ``grouping`` (see the module for the ranks and
     the group numbering).  ``llm_layers`` (default: one per stage) and ``encoder_layers``
-    only weigh each stage's share of the costs; ``semantics`` is the backbone pipeline's."""
+    only weigh each stage's share of the costs; ``semantics`` is the backbone pipeline's.
+    A grouping that lost or repeated a sample is refused first (:meth:`.FlowGrouping.check`)."""
+    grouping.check(s.sample_id for s in grouping.samples)
     flow = _Flow(grouping, encoder_layers, llm_layers or grouping.pp, trainable_encoder)
-    programs = {**flow.encoder_programs(), **flow.backbone_programs(semantics)}
+    backbone = flow.backbone_programs(semantics)
+    programs = {**flow.encoder_programs(backbone), **backbone}
     return Plan(
         regions=flow.regions,
         num_microbatches=len(flow.paths),
@@ -106,10 +109,11 @@ class _Flow:
                      for d in range(self.g.dp) for s in range(self.g.pp))
         return roles
 
-    def encoder_programs(self) -> dict[int, list[Action]]:
+    def encoder_programs(self, backbone: dict[int, list[Action]]) -> dict[int, list[Action]]:
+        """Each encoder replica's program; ``backbone``'s programs say when gradients come back."""
         trainable = self.kinds[ENCODER_REGION] is not None
         group = tuple(range(self.encoders))
-        ready = self._gradients_ready() if trainable else {}
+        ready = self._gradients_ready(backbone) if trainable else {}
         programs = {}
         for e in group:
             program: list[Action] = []
@@ -138,9 +142,6 @@ class _Flow:
                       peer=self.g.batch_replica[self.batch_of[sample]],
                       key=ACT_KEY if kind is Kind.POOL_GET else GRAD_KEY, sample=sample)
 
-    def _pipeline(self, replica: int, semantics: str) -> Plan:
-        return compose([self.backbone], len(self.g.replica_microbatches(replica)), semantics=semantics)
-
     def backbone_programs(self, semantics: str) -> dict[int, list[Action]]:
         """Each replica's 1F1B programs, renumbered into the flow plan, with stage 0's pool
         transfers around its computes."""
@@ -148,7 +149,8 @@ class _Flow:
         programs = {}
         for d in range(self.g.dp):
             local = self.g.replica_microbatches(d)
-            for stage, pipeline_program in self._pipeline(d, semantics).programs.items():
+            pipeline = compose([self.backbone], len(local), semantics=semantics)
+            for stage, pipeline_program in pipeline.programs.items():
                 program: list[Action] = []
                 for a in pipeline_program:
                     m = local[a.microbatch]
@@ -162,12 +164,11 @@ class _Flow:
                 programs[self.stage_rank(d, stage)] = program
         return programs
 
-    def _gradients_ready(self) -> dict[int, tuple[int, int]]:
+    def _gradients_ready(self, backbone: dict[int, list[Action]]) -> dict[int, tuple[int, int]]:
         """Per encoder batch, when the last gradient it needs is put: (the position of that
         microbatch's backward among its replica's stage-0 backwards, the replica)."""
         position = {}
         for d in range(self.g.dp):
-            local = self.g.replica_microbatches(d)
-            backwards = [a.microbatch for a in self._pipeline(d, "eager").programs[0] if a.kind is Kind.BACKWARD]
-            position.update((local[m], (k, d)) for k, m in enumerate(backwards))
+            backwards = [a.microbatch - self.offset for a in backbone[self.stage_rank(d, 0)] if a.kind is Kind.BACKWARD]
+            position.update((m, (k, d)) for k, m in enumerate(backwards))
         return {b: max(position[self.microbatch_of[s]] for s in ids) for b, ids in enumerate(self.g.batches)}

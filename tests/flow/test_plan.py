@@ -118,7 +118,8 @@ def test_a_sample_taken_by_nobody_or_twice_is_refused():
     microbatch = plan.programs[2][get].microbatch
     other = dataclasses.replace(plan, samples={**plan.samples, microbatch + 1: plan.samples[microbatch + 1]
                                                + (sample,)})
-    with pytest.raises(ScheduleError, match=rf"smp{sample} is in consumer groups mb{microbatch} and mb{microbatch + 1}"):
+    with pytest.raises(ScheduleError,
+                       match=rf"smp{sample} is in consumer groups mb{microbatch} and mb{microbatch + 1}"):
         validate(other)
 
 
