@@ -323,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _report(cfg: "TrainConfig", phases: Phases, results: list[RankResult], noise: Any, timing: dict[str, float],
             config: dict) -> int:
-    from mindspeed_flow.train.report import format_table, write_report
+    from mindspeed_flow.train.report import bought, format_table, write_report
 
     world = cfg.layout.world_size
     specs = select(cfg, phases.runs)
@@ -334,6 +334,9 @@ def _report(cfg: "TrainConfig", phases: Phases, results: list[RankResult], noise
     out.mkdir(parents=True, exist_ok=True)
     if records:
         print(format_table(records))
+        if len(records) > 1 and not bought(records):
+            print("what each feature buys, one at a time (the ablation chain baseline -> packing -> varlen -> "
+                  "conv-matmul -> flowtrain): add --ablation")
     write_report(records, out, parity=parity, resume=resume)
     phase_s = {name: max(r.runs[name].seconds for r in results) for name in results[0].runs}
     switches = {spec.name: dataclasses.asdict(spec.features) for spec in specs}

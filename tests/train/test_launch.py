@@ -42,6 +42,8 @@ def test_shipped_configs_load(name):
     ("data:\n  make_demo: yes please\n", r"data\.make_demo: expected bool, got str"),
     ("layout:\n  best_baseline_pp: 3\n", r"layout\.best_baseline_pp: 3 must be >= 1 and divide layout\.world_size 4"),
     ("layout:\n  best_baseline_pp: 2\n", r"layout\.best_baseline_pp: 2 is layout\.baseline_pp already"),
+    ("layout:\n  text_only_pp: 3\n", r"layout\.text_only_pp: 3 does not divide layout\.world_size 4"),
+    ("layout:\n  text_only_pp: 0\n", r"layout\.text_only_pp: must be >= 1, got 0"),
     ("- a\n- b\n", r"the top level must be a mapping"),
     ("data: [1, 2\n", r"not valid YAML"),
 ])
