@@ -40,6 +40,7 @@ import argparse
 import itertools
 import json
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -104,14 +105,22 @@ def run_ours(corpus: Path, args) -> tuple[dict, dict[str, int]]:
     loader = FlowDataLoader(corpus, None, capacity=args.capacity, num_workers=args.workers, seed=args.seed,
                             window=args.window, max_pixels=args.max_pixels)
     lengths: dict[str, int] = {}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     for batch in tqdm(loader, desc=OURS, unit="pack", leave=False):
         cu = batch["cu_seqlens"].tolist()
         lengths.update((sid, hi - lo) for sid, lo, hi in zip(batch["sample_ids"], cu[:-1], cu[1:]))
     seconds = time.perf_counter() - start
     s = loader.stats
     return {"steps": s.packs, "tokens": s.tokens, "slots": s.packs * args.capacity, "seconds": seconds,
-            "config": f"capacity {args.capacity}, window {args.window}"}, lengths
+            "cpu_s": cpu_seconds() - cpu, "config": f"capacity {args.capacity}, window {args.window}"}, lengths
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process (all its threads) and of its exited workers: the work a
+    pipeline costs, which other jobs on the machine do not change (wall time they do).  The
+    workers of an epoch exit at its end, so after a pipeline's run its workers are counted."""
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
 
 
 def sampler_batches(order: list[int], batch_size: int) -> Batches:
@@ -168,13 +177,14 @@ class Baseline:
         loader = DataLoader(self.dataset, batch_sampler=self.batches, num_workers=self.args.workers,
                             collate_fn=PadToLongest(self.tokenizer.special.pad))
         steps = tokens = slots = 0
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         for batch in tqdm(loader, desc=f"{self.name} B={self.batch_size}", unit="batch", leave=False):
             steps += 1
             tokens += int(batch["attention_mask"].sum())
             slots += batch["input_ids"].numel()
         seconds = time.perf_counter() - start
-        return {"steps": steps, "tokens": tokens, "slots": slots, "seconds": seconds, "config": self.config}
+        return {"steps": steps, "tokens": tokens, "slots": slots, "seconds": seconds, "cpu_s": cpu_seconds() - cpu,
+                "config": self.config}
 
 
 def run_prefetch_effect(corpus: Path, args) -> None:
@@ -204,7 +214,7 @@ def run_prefetch_effect(corpus: Path, args) -> None:
 
 def summary(run: dict) -> dict:
     return {**run, "tokens_per_step": run["tokens"] / run["steps"], "padding": 1 - run["tokens"] / run["slots"],
-            "tokens_per_s": run["tokens"] / run["seconds"]}
+            "tokens_per_s": run["tokens"] / run["seconds"], "cpu_ms_per_1k_tokens": 1e6 * run["cpu_s"] / run["tokens"]}
 
 
 def interleaved_rounds(corpus: Path, args) -> dict:
@@ -221,7 +231,7 @@ def interleaved_rounds(corpus: Path, args) -> dict:
         print(f"round {r + 1}: " + ", ".join(f"{name} {row[name]['tokens_per_s']:.0f} tokens/s" for name in
                                              (OURS, *BASELINES)), flush=True)
     medians = {name: {key: statistics.median(row[name][key] for row in rounds)
-                      for key in ("tokens_per_s", "tokens_per_step", "padding", "steps")}
+                      for key in ("tokens_per_s", "tokens_per_step", "padding", "steps", "cpu_ms_per_1k_tokens")}
                for name in (OURS, *BASELINES)}
     median_ratios = {name: {key: statistics.median(row["ratios"][name][key] for row in rounds)
                             for key in ("tokens_per_s", "tokens_per_step")} for name in BASELINES}
@@ -243,21 +253,21 @@ def print_report(result: dict, args) -> None:
     for name, config in result["configs"].items():
         print(f"  {name}: {config}")
     print(f"\n{'round':<7}{'pipeline':<16}{'steps':>6}{'tokens/step':>13}{'padding':>9}{'tokens/s':>10}"
-          f"{'x tokens/s':>12}{'x tokens/step':>15}")
+          f"{'CPU ms/1k tok':>15}{'x tokens/s':>12}{'x tokens/step':>15}")
     for r, row in enumerate(result["rounds"], start=1):
         for name in (OURS, *BASELINES):
             run = row[name]
             vs = "" if name == OURS else (f"{row['ratios'][name]['tokens_per_s']:>12.2f}"
                                           f"{row['ratios'][name]['tokens_per_step']:>15.2f}")
             print(f"{r:<7}{name:<16}{run['steps']:>6}{run['tokens_per_step']:>13.1f}{run['padding']:>9.2%}"
-                  f"{run['tokens_per_s']:>10.0f}{vs}")
+                  f"{run['tokens_per_s']:>10.0f}{run['cpu_ms_per_1k_tokens']:>15.1f}{vs}")
     print("\nmedian over rounds (x = ours / that baseline, per round, then the median):")
     for name in (OURS, *BASELINES):
         m = result["medians"][name]
         vs = "" if name == OURS else (f"   ours x{result['median_ratios'][name]['tokens_per_s']:.2f} tokens/s, "
                                       f"x{result['median_ratios'][name]['tokens_per_step']:.2f} real tokens/step")
         print(f"  {name:<16}{m['tokens_per_s']:>8.0f} tokens/s {m['tokens_per_step']:>8.1f} tokens/step "
-              f"{m['padding']:>7.2%} padding{vs}")
+              f"{m['padding']:>7.2%} padding {m['cpu_ms_per_1k_tokens']:>6.1f} CPU ms/1k tokens{vs}")
     best = result["best_baseline"]
     print(f"best baseline (median tokens/s): {best}; goal >= x1.0 its tokens/s at >= x2 its real tokens/step: "
           f"{'met' if result['goal_met'] else 'NOT met'}")
