@@ -7,15 +7,26 @@ backbone's microbatches by the LLM's cost (best-fit packing, zig-zag dispatch ov
 and the encoder's batches by its own (:class:`EncoderCost`), in the order the backbone needs
 the samples; :func:`compose_flow` makes that step a schedule :class:`~mindspeed_flow.schedule.Plan`
 whose seam is the pool per sample, which ``validate`` checks sample by sample and
-``simulate`` replays with :func:`flow_costs`.  See ``docs/flow.md`` for what is not built yet.
+``simulate`` replays with :func:`flow_costs`.
+
+The runtime: :class:`EmbeddingProducer` (an encoder replica: encode its batches, put per
+sample, run the backward as gradients come back), :class:`EmbeddingConsumer` (the backbone's
+first stage: take a microbatch's samples, put their gradients back), :func:`backbone_plan` /
+:func:`stage_feed` (a backbone replica's 1F1B on the executor, fed from the pool) and
+:class:`FlowRanks` (which rank is which).  See ``docs/flow.md`` for what is not built yet.
 """
 
+from .backbone import backbone_plan, stage_feed
+from .consumer import ConsumerStats, EmbeddingConsumer, FlowMicrobatch
 from .costs import flow_costs, group_seconds
 from .encoder_cost import EncoderCost
-from .errors import GroupingError, SampleError
+from .errors import GroupingError, SampleError, StreamError
 from .grouping import FlowGrouping, group_step
 from .meta import SampleKey, SampleMeta
 from .plan import compose_flow
+from .producer import EmbeddingProducer, ProducerStats
+from .ranks import FlowRanks, FlowRole
 
-__all__ = ["EncoderCost", "FlowGrouping", "GroupingError", "SampleError", "SampleKey", "SampleMeta",
-           "compose_flow", "flow_costs", "group_seconds", "group_step"]
+__all__ = ["ConsumerStats", "EmbeddingConsumer", "EmbeddingProducer", "EncoderCost", "FlowGrouping", "FlowMicrobatch",
+           "FlowRanks", "FlowRole", "GroupingError", "ProducerStats", "SampleError", "SampleKey", "SampleMeta",
+           "StreamError", "backbone_plan", "compose_flow", "flow_costs", "group_seconds", "group_step", "stage_feed"]

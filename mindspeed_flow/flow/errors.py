@@ -14,3 +14,10 @@ class SampleError(FlowError, ValueError):
 class GroupingError(FlowError, ValueError):
     """A step's grouping that cannot be made (a sample longer than a microbatch, a microbatch
     count the samples cannot fill) or that loses or repeats a sample; the message names it."""
+
+
+class StreamError(FlowError, RuntimeError):
+    """The flow's producer or consumer found a sample's pool entry that cannot be right (its
+    metadata is not the sample's, its rows are not its image tokens), an encoder whose output
+    does not match its batch, or a step that ended with a sample not taken or a gradient not
+    put; the message names the step, the sample and the side."""
