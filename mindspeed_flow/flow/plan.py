@@ -3,7 +3,8 @@
 The flow's two sides are grouped differently, so its plan numbers *groups*: ``mb0`` ..
 ``mb(B-1)`` are the encoder's batches, ``mbB`` .. ``mb(B+M-1)`` the backbone's microbatches
 (``grouping.batches`` then ``grouping.microbatches``), and the seam between them is the pool
-addressed per sample (:data:`mindspeed_flow.schedule.seams.FLOW`):
+addressed per sample (:data:`mindspeed_flow.schedule.seams.FLOW`).  The ranks are
+:class:`~.ranks.FlowRanks`' (the runtime's too):
 
 - ranks ``0 .. E-1`` are the encoder replicas.  Each runs its batches in need order: the
   forward of a batch, then one ``PUT vit.s0 mbB smpS -> r<stage 0>`` per sample of it (to the
@@ -22,8 +23,11 @@ addressed per sample (:data:`mindspeed_flow.schedule.seams.FLOW`):
 :attr:`Plan.samples` says which samples each group moves, so :func:`~mindspeed_flow.schedule.validate`
 follows every sample across the seam, and :func:`~mindspeed_flow.schedule.simulate` replays
 the plan with :func:`.costs.flow_costs`.  Puts never block, and nothing the backbone runs
-waits for an encoder backward, so the programs cannot deadlock.  The runtime cannot execute a
-flow plan yet (:func:`mindspeed_flow.runtime.lowering.refuse_per_sample`).
+waits for an encoder backward, so the programs cannot deadlock.  The executor does not run
+this plan (:func:`mindspeed_flow.runtime.lowering.refuse_per_sample`): the flow runs as
+:class:`~.producer.EmbeddingProducer` on the encoder ranks and each backbone replica's plain
+1F1B fed by :class:`~.consumer.EmbeddingConsumer` (:mod:`.backbone`): the same dataflow, with
+the encoder's backwards in the order their gradients actually complete.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ..schedule.regions import BACKBONE_REGION, ENCODER_REGION, backward_kinds
 from ..schedule.seams import FLOW
 from .errors import GroupingError
 from .grouping import FlowGrouping
+from .ranks import FlowRanks
 
 ACT_KEY = BoundaryKey(ENCODER_REGION, 0, BoundaryKind.ACT)
 GRAD_KEY = ACT_KEY.of(BoundaryKind.GRAD)
@@ -92,7 +97,7 @@ class _Flow:
                      for v in stages) for d in grouping.microbatch_replica])
 
     def stage_rank(self, replica: int, stage: int) -> int:
-        return self.encoders + replica * self.g.pp + stage
+        return FlowRanks.of(self.g).stage_rank(replica, stage)
 
     def pooled(self, microbatch: int) -> list[int]:
         """The samples of an LLM microbatch that travel through the pool (those with images)."""
