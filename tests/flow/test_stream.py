@@ -314,18 +314,13 @@ def flow_run(request, flow_runs):
 def _step_results(found: list[dict], ranks: FlowRanks, scenario: str, step: int):
     """The step loss (summed over the replicas' last stages) and every gradient."""
     loss = sum(found[ranks.stage_rank(d, ranks.pp - 1)][scenario]["losses"][step] for d in range(ranks.dp))
+    holders = [found[ranks.stage_rank(d, s)][scenario]["grads"][step] for d in range(ranks.dp) for s in range(ranks.pp)]
+    holders += [found[e][scenario]["grads"][step] for e in ranks.encoder_ranks if found[e][scenario]["grads"]]
     grads: dict[str, torch.Tensor] = {}
-    for d in range(ranks.dp):
-        for s in range(ranks.pp):
-            mine = found[ranks.stage_rank(d, s)][scenario]["grads"][step]
-            for n, g in mine.items():  # every replica holds the DP sum
-                if n in grads:
-                    torch.testing.assert_close(g, grads[n], rtol=0, atol=0, msg=f"replica {d} {n}")
-                grads[n] = g
-    for e in ranks.encoder_ranks:
-        for n, g in (found[e][scenario]["grads"][step] if found[e][scenario]["grads"] else {}).items():
+    for mine in holders:
+        for n, g in mine.items():  # the replicas of a stage, and of the encoder, hold the same sum
             if n in grads:
-                torch.testing.assert_close(g, grads[n], rtol=0, atol=0, msg=f"encoder {e} {n}")
+                torch.testing.assert_close(g, grads[n], rtol=0, atol=0, msg=f"replicas disagree on {n}")
             grads[n] = g
     return loss, grads
 
