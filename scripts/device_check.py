@@ -181,7 +181,7 @@ def main_job(check: Check) -> dict:
         runs[name] = {"returncode": rc, "report": str(report.relative_to(check.out)), **job_metrics(report)}
         if rc:
             runs[name]["log_tail"] = tail
-    failed = [n for n, r in runs.items() if r["returncode"]]
+    failed = [f"{n} (ran out of time)" if r["returncode"] == 124 else n for n, r in runs.items() if r["returncode"]]
     why = "; ".join(filter(None, [plan["why"], f"not run (out of time): {', '.join(skipped)}" if skipped else "",
                                   f"failed: {', '.join(failed)}" if failed else ""]))
     return {"status": "failed" if failed else "ran", "why": why or None, "config": str(config.relative_to(ROOT))

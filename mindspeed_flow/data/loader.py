@@ -109,7 +109,7 @@ class FlowDataLoader:
             sequence parallelism, see :func:`.batch.pack_multiple`); ``capacity`` must be a
             multiple of it.  The padding is counted in ``stats.pad_tokens``.
         prefetch_factor: samples each worker decodes ahead (8: the workers keep decoding
-            while this process joins a pack, which is the slow part here).
+            while this process packs and joins).
     """
 
     def __init__(
