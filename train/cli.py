@@ -25,8 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="train only this run (no parity run; the resume check only with flowtrain)")
     runs.add_argument("--ablation", action="store_true",
                       help="every run: the ablation chain baseline -> packing -> varlen -> conv-matmul -> flowtrain "
-                           "(one feature at a time) and the text-only upper bound (default: baseline, flowtrain, "
-                           "text-only)")
+                           "(one feature at a time), baseline-pp<N> (the configured best baseline) and the text-only "
+                           "upper bound (default: baseline, flowtrain, text-only)")
     parser.add_argument("--parity", action="store_true",
                         help="only the parity run: both runs fed the same packs, losses asserted equal")
     parser.add_argument("--no-resume-check", action="store_true", help="skip the checkpoint/resume check")

@@ -10,8 +10,8 @@ Phases, in order (``cli`` picks which):
    ``conv-matmul``, then ``flowtrain`` (the ``--use-flowtrain`` run: after step ``resume_at``
    each rank writes a checkpoint - its trainer's model, optimizer and RNG state, and the
    feed's loader state - to ``checkpoint_dir``), and ``text-only`` (the upper bound).  A
-   plain invocation trains :data:`~mindspeed_flow.train.runs.DEFAULT_RUNS` (and
-   ``baseline-pp<N>``); ``--ablation`` every run.
+   plain invocation trains :data:`~mindspeed_flow.train.runs.DEFAULT_RUNS`; ``--ablation``
+   every run (``baseline-pp<N>`` included).
 2. ``parity``: the baseline and flowtrain again for ``parity_steps`` steps in parity mode
    (fed the same packs); their step losses must agree
    (:class:`~mindspeed_flow.train.metrics.ParityResult`).
@@ -71,10 +71,11 @@ class Phases:
         return cls(runs=RUN_NAMES if args.ablation else DEFAULT_RUNS, parity=True, resume=not args.no_resume_check)
 
     def with_best_baseline(self, cfg: "TrainConfig") -> "Phases":
-        """The best-configuration baseline beside the main one, when the config names one
-        and several runs train (``--only`` and ``--parity`` keep their single phase)."""
+        """The best-configuration baseline too, when the config names one and every run
+        trains (``--ablation``; the default job leaves it out to stay within its time budget,
+        ``--only`` and ``--parity`` keep their single phase)."""
         best = cfg.best_baseline()
-        if best is None or len(self.runs) < 2 or BASELINE not in self.runs:
+        if best is None or not set(RUN_NAMES) <= set(self.runs):
             return self
         return dataclasses.replace(self, runs=(*self.runs, best[0]))
 

@@ -88,8 +88,8 @@ ABLATION = (
 )
 # What ``--only`` can pick (``baseline-pp<N>`` is the configured baseline's, run beside ``baseline``).
 RUN_NAMES = (BASELINE, *(s.name for s in ABLATION), TEXT_ONLY)
-# The runs of a plain ``mindspeed-flow train`` (plus ``baseline-pp<N>`` when configured);
-# ``--ablation`` runs every run (docs/train.md says why these and what each costs).
+# The runs of a plain ``mindspeed-flow train``; ``--ablation`` runs every run, ``baseline-pp<N>``
+# (when configured) included (docs/train.md: the default job's 3-minute budget on 2 shared cores).
 DEFAULT_RUNS = (BASELINE, FLOWTRAIN, TEXT_ONLY)
 
 
