@@ -7,8 +7,8 @@ the ViT in stage 0's file.  Model entries are named alike in both (the LLM's lay
 per stage, and the stages are the same), but the non-distributed optimizer's state is indexed
 by position in its parameter groups, and the positions differ.  So every save of a job with
 the ``pool`` feature also writes, per file, the names of its optimizer's parameters in that
-order (:data:`PARAM_NAMES`), and the iteration's form (:data:`FORM`: decoupled or
-co-located, the backbone's pipeline size).
+order (:data:`PARAM_NAMES`), and the iteration's form (:data:`FORM`: decoupled, co-located or
+transposed, the backbone's pipeline size).
 
 On load (:func:`load_base_checkpoint_wrapper`, around Megatron's ``_load_base_checkpoint``)
 a checkpoint of the other form is assembled for this rank from the files that hold its
@@ -17,7 +17,8 @@ the group hyper-parameters; the rest (iteration, arguments, scheduler, RNG) from
 the same pipeline stage.  Megatron's own ``load_checkpoint`` then loads it (strict model load,
 ``optimizer.load_state_dict``, the argument checks with this job's TP / PP).  A checkpoint of
 the same form, or one without the form file (saved without the plugin), loads as Megatron
-loads it.
+loads it.  A transposed checkpoint (stages > 0 hold a ViT replica each) and the other forms
+do not cross: refused naming both forms (:func:`check_forms`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from mindspeed_flow.schedule.regions import ENCODER_REGION
 
 FORM = "flow_checkpoint_form.json"
 PARAM_NAMES = "flow_param_names.json"
-DECOUPLED, COLOCATED = "decoupled", "colocated"
+DECOUPLED, COLOCATED, TRANSPOSED = "decoupled", "colocated", "transposed"
 ENCODER_PREFIX, BACKBONE_PREFIX = "image_encoder.", "text_decoder."
 
 # the model and optimizer of the load in progress (``load_checkpoint``'s arguments)
@@ -78,10 +79,29 @@ def _job_form() -> dict[str, Any]:
 
     from mindspeed_flow.adapters.megatron.roles import ROLES
 
+    from mindspeed_flow.adapters.mindspeed_mm.transpose import transposed
+
     layout = ROLES.layout
     if layout is not None:
         return {"form": DECOUPLED, "backbone_pp": layout.backbone_pp}
-    return {"form": COLOCATED, "backbone_pp": mpu.get_pipeline_model_parallel_world_size()}
+    return {"form": TRANSPOSED if transposed() else COLOCATED,
+            "backbone_pp": mpu.get_pipeline_model_parallel_world_size()}
+
+
+def check_forms(base: str, saved: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Refuse a checkpoint of form ``saved`` that this job's form ``mine`` cannot be assembled
+    from, naming both: another backbone pipeline size (the LLM's stages must be the same), or
+    a transposed checkpoint into another form or back (mapping the ViT replicas of stages > 0
+    is not supported in this version)."""
+    if TRANSPOSED in (saved["form"], mine["form"]) and saved["form"] != mine["form"]:
+        raise CheckpointFormError(
+            f"{base}: a {saved['form']} checkpoint does not load into this {mine['form']} job: checkpoints "
+            f"cross between the decoupled and the co-located layout only (a transposed job's stages > 0 hold "
+            f"ViT replicas, which are not mapped in this version)")
+    if saved["backbone_pp"] != mine["backbone_pp"]:
+        raise CheckpointFormError(
+            f"{base}: a {saved['form']} checkpoint of backbone pipeline size {saved['backbone_pp']} does not load "
+            f"into this {mine['form']} job of pipeline size {mine['backbone_pp']} (the LLM's stages must be the same)")
 
 
 def save_checkpoint_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -150,10 +170,7 @@ def load_base_checkpoint_wrapper(wrapped: Callable, instance: Any, args: tuple, 
     mine = _job_form()
     if saved["form"] == mine["form"]:
         return wrapped(*args, **kwargs)
-    if saved["backbone_pp"] != mine["backbone_pp"]:
-        raise CheckpointFormError(
-            f"{base}: a {saved['form']} checkpoint of backbone pipeline size {saved['backbone_pp']} does not load "
-            f"into this {mine['form']} job of pipeline size {mine['backbone_pp']} (the LLM's stages must be the same)")
+    check_forms(base, saved, mine)
     if margs.use_distributed_optimizer:
         raise CheckpointFormError(f"{base}: a {saved['form']} checkpoint loads into a {mine['form']} job only with "
                                   "Megatron's non-distributed optimizer (drop --use-distributed-optimizer)")

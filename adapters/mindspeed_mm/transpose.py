@@ -69,8 +69,13 @@ def vision_trainable(image_config: Any) -> bool:
     return not (encoder and projector)
 
 
-def check_supported(args: Any, vision_layers: list, pp_size: int, vpp: bool) -> None:
+def check_supported(args: Any, vision_layers: list, pp_size: int, vpp: bool, trainable: bool) -> None:
     """Refuse what the transposed layout cannot run, naming the setting."""
+    if trainable and getattr(args, "overlap_grad_reduce", False):
+        raise TransposeUnsupported(
+            "vlm: {transpose: true} with a trainable ViT and --overlap-grad-reduce: the plan's REDUCE of the "
+            "replicas' gradients reads and writes DDP's buffers after the last backward, where an overlapped "
+            "all-reduce may still be writing them; drop --overlap-grad-reduce or freeze the ViT")
     if vpp:
         raise TransposeUnsupported(
             "vlm: {transpose: true} with virtual pipeline stages: the transposed ViT runs beside a "
@@ -135,7 +140,8 @@ def build_replica(model: Any, config: Any) -> None:
     from megatron.training import get_args
 
     image = config.image_encoder
-    check_supported(get_args(), list(image.vision_encoder.pipeline_num_layers), model.pp_size, model.enable_vp)
+    check_supported(get_args(), list(image.vision_encoder.pipeline_num_layers), model.pp_size, model.enable_vp,
+                    vision_trainable(image))
     stage = parallel_state.get_pipeline_model_parallel_rank()
     if model.image_encoder is None:  # stages > 0: MindSpeed-MM built none
         with _as_pipeline_stage_zero(model):

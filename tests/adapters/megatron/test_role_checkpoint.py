@@ -52,3 +52,18 @@ def test_the_loader_state_falls_back_to_the_other_layouts_first_stage_folder():
         "/c/iter_0000004/mp_rank_00_000/flow_loader_dprank000.pt"
     assert rc.loader_state_fallback("/c/iter_0000004/mp_rank_00_000/flow_loader_dprank000.pt") == \
         "/c/iter_0000004/mp_rank_00/flow_loader_dprank000.pt"
+
+
+@pytest.mark.parametrize("saved_form, my_form", [("transposed", "colocated"), ("colocated", "transposed"),
+                                                 ("transposed", "decoupled"), ("decoupled", "transposed")])
+def test_a_transposed_checkpoint_and_the_other_forms_do_not_cross(saved_form, my_form):
+    with pytest.raises(CheckpointFormError, match=f"/ckpt/iter_0000004: a {saved_form} checkpoint does not load "
+                                                  f"into this {my_form} job"):
+        rc.check_forms("/ckpt/iter_0000004", {"form": saved_form, "backbone_pp": 2}, {"form": my_form, "backbone_pp": 2})
+
+
+def test_another_backbone_pipeline_size_is_refused_naming_both():
+    with pytest.raises(CheckpointFormError, match="pipeline size 2 does not load into this colocated job of "
+                                                  "pipeline size 4"):
+        rc.check_forms("/ckpt", {"form": "decoupled", "backbone_pp": 2}, {"form": "colocated", "backbone_pp": 4})
+    rc.check_forms("/ckpt", {"form": "decoupled", "backbone_pp": 2}, {"form": "colocated", "backbone_pp": 2})
