@@ -7,19 +7,21 @@ microbatches a step and the encoder ranks ``N / encoder_dp`` (their data-paralle
 ``encoder_dp * backbone_dp``); the plan is the slice's, over its ``N``.  An encoder rank is
 fed its slice's data iterator (the one its slice's first backbone stage reads) and its
 program forwards microbatches ``m % encoder_dp == e`` only: the runtime's feed pulls the
-items before them and drops them.
+items before them and drops them, and the rest of the step's ``N`` are taken after the step
+(:class:`CountingIterator`), so every replica starts the next step at its first microbatch.
 
-Gradients.  Megatron's own machinery reduces them after the step: DDP over each role's
-data-parallel group (:mod:`.roles`: never the two roles together), then
-``finalize_model_grads``.  Per-token loss (``--calculate-per-token-loss``): the slice's
-token count is known on its last backbone stage only; it is broadcast to the slice (the
-executor's group) and passed by the encoder replica 0 of each slice only (0 elsewhere), so
-the encoder's all-reduce over its ``encoder_dp * backbone_dp`` ranks sums each slice's
-count once, as the backbone's over its ``backbone_dp`` ranks does.  Averaged loss: DDP
-divides by the data-parallel size, ``backbone_dp`` on the backbone but ``encoder_dp *
-backbone_dp`` on the encoder, whose gradients are therefore multiplied by ``encoder_dp``
-first.  The plan's own encoder ``REDUCE`` works on ``.grad``, which Megatron's DDP has
-already moved into ``main_grad``: it carries zeros and changes nothing.
+Gradients.  The plan's ``REDUCE`` sums the weight gradients (DDP's ``main_grad``) of a
+slice's encoder replicas after their last backward, so every replica holds its slice's
+encoder gradients, as the slice's backbone stages hold theirs.  Then Megatron's own
+machinery: DDP over each role's data-parallel group (:mod:`.roles`: never the two roles
+together), then ``finalize_model_grads``.  The encoder's group has ``encoder_dp`` equal
+copies of each slice's gradients, so both of Megatron's reductions come out as the
+backbone's: averaged loss divides the sum by the group size ``encoder_dp * backbone_dp``;
+per-token loss (``--calculate-per-token-loss``) divides it by the token count all-reduced
+over the same group, where every encoder rank passes its slice's count (known on the
+slice's last backbone stage only, so broadcast over the slice first).  (DDP's overlapped
+gradient all-reduce would race with that ``REDUCE``: ``--overlap-grad-reduce`` is refused,
+:func:`.roles.check_supported`.)
 """
 
 from __future__ import annotations
@@ -103,11 +105,36 @@ def in_params_dtype(forward_step_func: Callable, dtype: Any) -> Callable:
     return forward_step
 
 
+class CountingIterator:
+    """An encoder rank's data iterator for one step, counting what the runtime takes.  The
+    rank forwards microbatches ``m % encoder_dp == e`` of its slice's ``N``, so the runtime
+    pulls items ``0 .. m`` for the last ``m`` it forwards and no further; :meth:`skip_to`
+    takes the rest of the step's ``N`` after the step, so the next step starts at its own
+    first microbatch on every replica."""
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator, self.taken = iterator, 0
+
+    def __iter__(self) -> "CountingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self.iterator)
+        self.taken += 1
+        return item
+
+    def skip_to(self, total: int) -> None:
+        while self.taken < total:
+            next(self)
+
+
 def slice_losses(store: list, rank: int, last: int, group: Any, encoder: bool) -> list:
     """The slice's loss dicts (its last backbone stage ``last``'s ``forward_data_store``) on
     its encoder ranks too.  An encoder rank is its role's last pipeline stage, so MindSpeed-MM's
     ``train_step`` / ``evaluate`` read the losses there as on the LLM's last stage (for the
-    log); the middle backbone stages take part in the broadcast and keep their own (empty) list."""
+    log); the middle backbone stages take part in the broadcast and keep their own (empty) list.
+    ``group`` is the whole slice (every TP rank): an encoder TP rank's executor may pair it with
+    another TP rank of the backbone than the one it would broadcast from."""
     import torch.distributed as dist
 
     carried = [store if rank == last else None]
@@ -157,23 +184,20 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
                      config.grad_scale_func)
     if encoder:
         forward_step_func = in_params_dtype(forward_step_func, config.params_dtype)
+        iterator = CountingIterator(iterator)
     with _grad_sync_held(config, forward_only) as release:
         result = executor.run(plan, forward_step_func, {role.binding: Binding(models[0], iterator)},
                               forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, loss=loss,
                               before_last_backward=release)
-    last = layout.executor_ranks(rank)[-1]  # the slice's last backbone stage
-    store = slice_losses(result.forward_data_store, rank, last, groups["replica"], encoder)
+    if encoder:
+        iterator.skip_to(slice_microbatches)
+    last = layout.backbone_rank(layout.replica(rank), layout.backbone_pp - 1)  # the slice's last stage, TP rank 0
+    store = slice_losses(result.forward_data_store, rank, last, groups["slice"], encoder)
     if forward_only:
         return store
     tokens = result.total_num_tokens.clone().to(torch.int64 if not result.total_num_tokens.is_floating_point()
                                                  else result.total_num_tokens.dtype)
-    dist.broadcast(tokens, src=last, group=groups["replica"])  # the slice's count, on every rank of it
-    if encoder:
-        encoder_replica = layout.executor_ranks(rank).index(rank)  # plan rank e < encoder_dp
-        if encoder_replica:
-            tokens.zero_()
-        if not config.calculate_per_token_loss and layout.encoder_dp > 1:
-            models[0].scale_gradients(float(layout.encoder_dp))
+    dist.broadcast(tokens, src=last, group=groups["slice"])  # the slice's count, on every rank of it
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(models, tokens if config.calculate_per_token_loss else None)
     return store

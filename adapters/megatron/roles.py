@@ -169,38 +169,72 @@ def initialize_model_parallel_wrapper(wrapped: Callable, instance: Any, args: tu
     return None
 
 
+def encoder_replica() -> int:
+    """This encoder rank's replica within its slice (``0 .. encoder_dp - 1``: its rank in the
+    slice's plan)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return ROLES.layout.executor_ranks(rank).index(rank)
+
+
 def grad_stats_group_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``MegatronOptimizer.get_grad_stats_parallel_group``: under a decoupled layout, this
-    rank's slice (its executor's ranks: the slice's encoder replica and backbone stages), so
+    rank's slice (every TP rank of its encoder replicas and backbone stages), so
     the gradient norm ``--clip-grad`` clips by, the zero count and fp16's found-inf are the
     whole model's, as co-located, not each role's own.  Each parameter's gradient is counted
-    once in a slice while it has one encoder replica (``check_supported`` refuses more).
+    once in a slice: the encoder replicas after the first mark their (all-reduced, equal)
+    parameters ``shared`` (:func:`mindspeed_flow.adapters.mindspeed_mm.roles.vlm_init_wrapper`),
+    which Megatron's norm and zero count skip; a TP-replicated parameter counts on TP rank 0
+    only, as Megatron's own filter has it.
     The distributed optimizer's own method (the whole world, each rank its shard) is already
     the whole model's and is not wrapped."""
     if ROLES.layout is None:
         return wrapped(*args, **kwargs)
-    return ROLES.groups["replica"]
+    return ROLES.groups["slice"]
 
 
-def check_supported(layout: Any, parsed: Any) -> None:
+def check_encoder_share(layout: Any, global_batch: int, micro_batch: int) -> None:
+    """Each of a slice's ``encoder_dp`` replicas forwards an equal share of the slice's
+    microbatches (Megatron gives the encoder role ``N / encoder_dp`` a step): refuse a global
+    batch that does not split so, naming the numbers (Megatron's own assert would name the
+    encoder role's data-parallel size, which the user never set)."""
+    per_slice, rest = divmod(global_batch, micro_batch * layout.backbone_dp)
+    if rest or per_slice % layout.encoder_dp:
+        raise ValueError(
+            f"the decoupled layout's {layout.encoder_dp} encoder replicas per slice need each slice's microbatches "
+            f"a step (--global-batch-size {global_batch} / (--micro-batch-size {micro_batch} x backbone dp "
+            f"{layout.backbone_dp})) to be a multiple of {layout.encoder_dp}")
+
+
+def check_supported(layout: Any, parsed: Any, packing: bool) -> None:
     """Refuse at start-up what this version does not run under a decoupled layout (rather than
     run something else):
 
-    - several encoder replicas per slice (``encoder_dp > 1``): Megatron's data loader shards
-      the encoder ranks' samples by their own data-parallel rank, not by their slice's;
-    - tensor parallelism in either role: the pool's TP view is not checked in Megatron's job;
+    - several encoder replicas per slice (``encoder_dp > 1``) without the ``packing`` feature:
+      upstream's data loader shards the encoder ranks' samples by their own data-parallel rank,
+      not by their slice's (the plugin's loader reads the slice's share,
+      :func:`mindspeed_flow.adapters.mindspeed_mm.data.loader_shard`);
+    - TP sizes that differ between the roles: the executors pair the roles' TP ranks by index
+      (equal sizes are tested in Megatron's job, different ones only in the plugin's trainer);
+    - ``--overlap-grad-reduce``: the plan's ``REDUCE`` among a slice's encoder replicas reads
+      and writes DDP's ``main_grad`` after their last backward, where an overlapped DDP
+      all-reduce of the same buffer may still be running;
     - ``--save`` / ``--load`` in another format than ``--ckpt-format torch``, or with an
       unpipelined backbone: each role writes the files of its own Megatron config (the encoder
       ``mp_rank_00``, the backbone ``mp_rank_00_PPP``), which resume bit for bit; at
       ``backbone_pp`` 1 both roles' files would be ``mp_rank_00``; a distributed
       (``torch_dist``) checkpoint of two configs in one world is not checked."""
     reasons = []
-    if layout.encoder_dp > 1:
-        reasons.append(f"encoder_dp {layout.encoder_dp} > 1 (Megatron's data loader would feed the encoder "
-                       "replicas other samples than their slice's)")
-    if layout.encoder_tp > 1 or layout.backbone_tp > 1:
-        reasons.append(f"encoder_tp {layout.encoder_tp} / backbone_tp {layout.backbone_tp} > 1 "
-                       "(tensor parallelism is not checked under the decoupled layout)")
+    if layout.encoder_dp > 1 and not packing:
+        reasons.append(f"encoder_dp {layout.encoder_dp} > 1 without --flow-packing (upstream's data loader would "
+                       "feed the encoder replicas other samples than their slice's)")
+    if layout.encoder_tp != layout.backbone_tp:
+        reasons.append(f"encoder_tp {layout.encoder_tp} != backbone_tp {layout.backbone_tp} (the executors pair "
+                       "the roles' TP ranks by index; TP sizes that differ are not checked in Megatron's job)")
+    if getattr(parsed, "overlap_grad_reduce", False):
+        reasons.append("--overlap-grad-reduce (the encoder replicas' gradient reduce reads DDP's buffers after "
+                       "the last backward, which an overlapped all-reduce may still be writing)")
     fmt = getattr(parsed, "ckpt_format", "torch")
     for flag, value in (("--save", getattr(parsed, "save", None)), ("--load", getattr(parsed, "load", None))):
         if value and fmt != "torch":
@@ -226,7 +260,10 @@ def validate_args_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
     if layout is None or parsed is None:
         return wrapped(*args, **kwargs)
     check_world(layout, parsed.world_size)
-    check_supported(layout, parsed)
+    check_encoder_share(layout, parsed.global_batch_size, parsed.micro_batch_size)
+    from mindspeed_flow.activation import flow_config
+
+    check_supported(layout, parsed, packing=flow_config(parsed).enabled("packing"))
     role = my_role(layout, parsed.rank)
     world = parsed.world_size
     parsed.world_size = role.world_size

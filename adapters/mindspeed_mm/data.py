@@ -344,11 +344,12 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     param = _as_dict(_argument(args, kwargs, DATALOADER_PARAMS, "dataloader_param"))
     multiple, capacity = pack_length(margs, mpu.get_tensor_model_parallel_world_size(),
                                      mpu.get_context_parallel_world_size())
+    shard = loader_shard(dp_group, mpu.get_pipeline_model_parallel_world_size(), get_num_microbatches())
     loader = FlowDataLoader(
         spec.source, load_processor(spec.processor_path), capacity=capacity,
-        dp_rank=dist.get_rank(dp_group), dp_size=dist.get_world_size(dp_group),
+        dp_rank=shard.dp_rank, dp_size=shard.dp_size,
         num_workers=margs.num_workers, seed=margs.seed, window=int(param.get("window", WINDOW)),
-        pp_size=consuming_pipeline_size(mpu.get_pipeline_model_parallel_world_size()), step_packs=get_num_microbatches(),
+        pp_size=shard.pp_size, step_packs=shard.step_packs,
         group=peers if dist.get_world_size(peers) > 1 else None,
         device="cpu" if gloo else torch.device("cuda", torch.cuda.current_device()),
         image_root=spec.image_root, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
@@ -376,14 +377,36 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
 _CHUNK_LOADERS: dict = {}
 
 
-def consuming_pipeline_size(own: int) -> int:
-    """The pipeline size the packs are ordered for: this rank's own, or under a decoupled
-    layout the backbone's on every rank (an encoder rank's role has one stage, but it must
-    feed its slice the packs in the order the backbone's loader dispatches them)."""
+@dataclass(frozen=True)
+class LoaderShard:
+    """This rank's share of the corpus: its data-parallel rank and size, the pipeline size its
+    packs are ordered for, and the packs a step."""
+
+    dp_rank: int
+    dp_size: int
+    pp_size: int
+    step_packs: int
+
+
+def loader_shard(dp_group: Any, pp_size: int, step_packs: int) -> LoaderShard:
+    """The data-parallel group's rank and size, ``pp_size`` and ``step_packs`` (Megatron's
+    microbatches a step) as they are; under a decoupled layout the rank's slice's instead (a
+    slice is one backbone replica): every rank of a slice decodes the packs its first backbone
+    stage decodes, in that order.  An encoder rank's own role differs there: one stage, a
+    data-parallel group of ``encoder_dp * backbone_dp`` ranks and ``N / encoder_dp``
+    microbatches a step, while its slice trains ``N`` packs of ``backbone_dp`` shards ordered
+    for ``backbone_pp`` stages (its program forwards its share of them)."""
+    import torch.distributed as dist
+
     from mindspeed_flow.adapters.megatron import roles
 
     layout = roles.ROLES.layout
-    return layout.backbone_pp if layout is not None else own
+    if layout is None:
+        return LoaderShard(dist.get_rank(dp_group), dist.get_world_size(dp_group), pp_size, step_packs)
+    rank = dist.get_rank()
+    encoder = layout.role(rank).region == ENCODER_REGION
+    return LoaderShard(layout.replica(rank), layout.backbone_dp, layout.backbone_pp,
+                       step_packs * layout.encoder_dp if encoder else step_packs)
 
 
 def build_iterations(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

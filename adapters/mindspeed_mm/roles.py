@@ -59,9 +59,21 @@ def configure_for_role(config: Any, region: str) -> Any:
 
 
 def vlm_init_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``VLMModel(config)`` building this rank's role only (see the module docstring)."""
+    """``VLMModel(config)`` building this rank's role only (see the module docstring).  On a
+    slice's encoder replicas after the first, the ViT's parameters are marked ``shared`` (as
+    Megatron marks a tied embedding's second copy): their gradients are the first replica's
+    after DDP's all-reduce, and the gradient norm and zero count, taken over the slice, must
+    count them once."""
     region = role_region()
-    if region is not None:
-        config = args[0] if args else kwargs["config"]
-        configure_for_role(config, region)
-    return wrapped(*args, **kwargs)
+    if region is None:
+        return wrapped(*args, **kwargs)
+    config = args[0] if args else kwargs["config"]
+    configure_for_role(config, region)
+    result = wrapped(*args, **kwargs)
+    from mindspeed_flow.adapters.megatron.roles import encoder_replica
+
+    if region == ENCODER_REGION and encoder_replica() > 0:
+        for param in instance.parameters():
+            param.shared = True
+    return result
+

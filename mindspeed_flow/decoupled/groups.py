@@ -14,6 +14,7 @@ def new_groups(layout: Any) -> dict[str, Any]:
     - ``"vit"`` every encoder rank, ``"llm"`` every backbone rank;
     - ``"tp"`` this rank's TP group (encoder replica or backbone stage);
     - ``"replica"`` the ranks of this rank's executor (``layout.executor_ranks``);
+    - ``"slice"`` every rank of its slice, all TP ranks of both roles (``layout.slice_ranks``);
     - ``"pool"`` its slice's ``pool_ranks`` (the ``group`` of a ``torch`` pool; ``None`` on
       the other ranks);
     - ``"vit_dp"`` this encoder TP rank over every encoder replica of every slice (``None``
@@ -40,6 +41,10 @@ def new_groups(layout: Any) -> dict[str, Any]:
             group = dist.new_group(members)
             if members == executor:
                 groups["replica"] = group
+    for replica in range(layout.backbone_dp):
+        group = dist.new_group(layout.slice_ranks(replica))
+        if rank in layout.slice_ranks(replica):
+            groups["slice"] = group
     for replica in range(layout.backbone_dp):
         group = dist.new_group(layout.pool_ranks(replica))
         if rank in layout.pool_ranks(replica):

@@ -145,6 +145,13 @@ class DecoupledLayout:
         return ([self.encoder_rank(replica, e, encoder_tp_rank) for e in range(self.encoder_dp)]
                 + [self.backbone_rank(replica, s, backbone_tp_rank) for s in range(self.backbone_pp)])
 
+    def slice_ranks(self, replica: int) -> list[int]:
+        """Every rank of backbone replica ``replica``'s slice: its encoder replicas' and its
+        pipeline stages' TP ranks (one slice holds one copy of the whole model)."""
+        self.replica_ranks(replica)  # range check
+        return ([self.encoder_rank(replica, e, t) for e in range(self.encoder_dp) for t in range(self.encoder_tp)]
+                + [self.backbone_rank(replica, s, t) for s in range(self.backbone_pp) for t in range(self.backbone_tp)])
+
     def pool_ranks(self, replica: int) -> list[int]:
         """The ranks of slice ``replica`` that open its pool: its encoder replicas' and its
         first backbone stage's TP leaders (the others see the pool through them)."""

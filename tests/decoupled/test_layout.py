@@ -43,3 +43,14 @@ def test_layer_counts_come_from_the_model_apart_from_the_sizes():
     assert (model.encoder_layers, model.backbone_layers) == (4, 6)
     assert model.world_size == sizes.world_size and model.role(3) == sizes.role(3)
     assert [r.num_layers for r in model.regions()] == [4, 6]
+
+
+def test_a_slice_holds_every_tp_rank_of_both_roles_once():
+    layout = DecoupledLayout(encoder_dp=2, encoder_tp=2, backbone_pp=2, backbone_tp=2, backbone_dp=2)
+    slices = [layout.slice_ranks(r) for r in range(2)]
+    assert sorted(slices[0] + slices[1]) == list(range(layout.world_size))
+    for replica, ranks in enumerate(slices):
+        assert {layout.replica(rank) for rank in ranks} == {replica}
+        assert set(layout.replica_ranks(replica, 1, 1)) <= set(ranks)
+    with pytest.raises(LayoutError, match="backbone replica 2 outside"):
+        layout.slice_ranks(2)

@@ -126,6 +126,21 @@ def test_decoupled_vit_on_one_rank_llm_pp2_equals_upstream(runs, tmp_path):
     assert_equals_upstream(plain, results)
 
 
+def test_two_vit_replicas_feeding_llm_pp2_equal_upstream(runs, tmp_path):
+    """Two ViT replicas (ranks 0, 1) feed one LLM pipeline (ranks 2, 3): each encodes every
+    other microbatch of the slice; DDP averages their gradients over the ViT's DP group (the 2
+    encoder ranks), and the gradient norm counts the ViT once (the second replica's
+    parameters are marked shared)."""
+    job = Job(samples=sample_specs(4), precision="fp32", flash_attn=True)
+    plain = run_upstream(job, tmp_path / "plain4")
+    layout = {"encoder_dp": 2, "backbone_pp": 2, "backbone_dp": 1, "max_ahead": 2}
+    results = run_decoupled(replace(job, pp=2), layout, tmp_path / "decoupled_vit2_pp2", plain.initial_weights,
+                            "shm")
+    assert_roles(results, layout, "shm")
+    assert [r["groups"]["dp"] for r in results] == [[0, 1], [0, 1], [2], [3]]
+    assert_equals_upstream(plain, results)
+
+
 def test_an_encoder_rank_dying_mid_step_ends_every_rank_naming_it_and_the_pool_goes(runs, tmp_path):
     """The ViT rank (rank 0) of the 3-rank layout ends (``os._exit(17)``, no clean-up of its
     own) at its second forward, with embeddings in the ``shm`` pool: the job fails naming
@@ -333,6 +348,42 @@ def _grad_norms(run, rank: int) -> dict[int, float]:
     return {s["iteration"]: s["grad_norm"] for s in run._of("step") if s["rank"] == rank}
 
 
+def _clipped_colocated(real_jobs):
+    """The co-located ``--use-flowtrain`` PP=2 run with ``--clip-grad CLIP``, saving at K (and
+    at ITERS)."""
+    from test_real_job import K
+    from test_real_job_pipeline import PIPELINE_JOBS
+
+    return real_jobs.run("flow_pp2_clip", replace(PIPELINE_JOBS["flow_pp2"], save="ckpt", save_interval=K,
+                                                  extra_args=("--clip-grad", str(CLIP))))
+
+
+def _resumed_from(colocated, job):
+    """``job`` loading ``colocated``'s iteration K, with its ``--clip-grad``."""
+    from test_real_job import K
+
+    return replace(job, load=str(colocated.workdir / "ckpt"),
+                   extra_args=("--clip-grad", str(CLIP), "--ckpt-step", str(K)))
+
+
+def _assert_continues_clipped(colocated, resumed, ranks: int) -> None:
+    """Iterations K+1..ITERS: every rank's gradient norm and the losses are the co-located
+    run's (BF16_RTOL), and each norm is above CLIP (Megatron clipped every step)."""
+    from test_real_job import BF16_RTOL, ITERS, K, assert_finished
+
+    assert_finished(colocated)
+    assert_finished(resumed, first=K + 1, last=ITERS)
+    whole = {i: n for i, n in _grad_norms(colocated, 0).items() if i > K}  # (the same on every rank)
+    assert sorted(whole) == list(range(K + 1, ITERS + 1)) and all(n > CLIP for n in whole.values()), whole
+    for rank in range(ranks):
+        norms = _grad_norms(resumed, rank)
+        assert sorted(norms) == sorted(whole), (rank, norms)
+        for i, norm in whole.items():
+            assert norms[i] == pytest.approx(norm, rel=BF16_RTOL), (rank, i, norms[i], norm)
+    for i in whole:
+        assert resumed.exact_losses[i] == pytest.approx(colocated.exact_losses[i], rel=BF16_RTOL), i
+
+
 @pytest.mark.timeout(1800)
 def test_gradient_clipping_in_pretrain_vlm_takes_the_whole_models_norm(real_jobs):
     """``--clip-grad`` inside ``pretrain_vlm.py`` itself, decoupled: a co-located
@@ -342,22 +393,56 @@ def test_gradient_clipping_in_pretrain_vlm_takes_the_whole_models_norm(real_jobs
     gradients: on every decoupled rank (the encoder rank included) the norm is the co-located
     run's, and so are the losses (BF16_RTOL).  A norm over one role's parameters only (Megatron's
     model-parallel group of that role) would scale the two roles' gradients differently."""
-    from test_real_job import BF16_RTOL, ITERS, K, assert_finished
-    from test_real_job_pipeline import PIPELINE_JOBS
+    colocated = _clipped_colocated(real_jobs)
+    resumed = real_jobs.run("decoupled_clip_from_colocated", _resumed_from(colocated, _real_decoupled()))
+    _assert_continues_clipped(colocated, resumed, ranks=3)
 
-    clip = ("--clip-grad", str(CLIP))
-    colocated = real_jobs.run("flow_pp2_clip", replace(PIPELINE_JOBS["flow_pp2"], save="ckpt", save_interval=K,
-                                                       extra_args=clip))
-    assert_finished(colocated)
-    resumed = real_jobs.run("decoupled_clip_from_colocated", replace(
-        _real_decoupled(), load=str(colocated.workdir / "ckpt"), extra_args=clip + ("--ckpt-step", str(K))))
-    assert_finished(resumed, first=K + 1, last=ITERS)
-    whole = {i: n for i, n in _grad_norms(colocated, 1).items() if i > K}  # the co-located last stage
-    assert sorted(whole) == list(range(K + 1, ITERS + 1)) and all(n > CLIP for n in whole.values()), whole
-    for rank in range(3):
-        norms = _grad_norms(resumed, rank)
-        assert sorted(norms) == sorted(whole), (rank, norms)
-        for i, norm in whole.items():
-            assert norms[i] == pytest.approx(norm, rel=BF16_RTOL), (rank, i, norms[i], norm)
-    for i in whole:
-        assert resumed.exact_losses[i] == pytest.approx(colocated.exact_losses[i], rel=BF16_RTOL), i
+
+VIT_DP2_LAYOUT_FILE = HERE / "decoupled_layout_vit_dp2.yaml"
+
+
+@pytest.mark.timeout(1800)
+def test_two_vit_replicas_in_pretrain_vlm_feed_their_slice_and_clip_by_the_whole_model(real_jobs):
+    """``pretrain_vlm.py`` with ``decoupled_layout_vit_dp2.yaml`` (4 ranks: two ViT replicas,
+    the LLM's 2 stages), resumed from the clipped co-located run's iteration K: the plugin's
+    loader gives both replicas their slice's packs (the first stage's, in its order: the
+    co-located run's next packs), replica e forwards microbatches m % 2 == e, and the step is
+    the co-located one: every rank's gradient norm (the ViT counted once) and the losses."""
+    from realjob import RealJob
+    from test_real_job import FLOW
+
+    colocated = _clipped_colocated(real_jobs)
+    job = RealJob(pp=2, world_size=4, plugin=FLOW + ("--flow-schedule-config", str(VIT_DP2_LAYOUT_FILE)),
+                  timeout_s=600)
+    resumed = real_jobs.run("decoupled_vit2_clip_from_colocated", _resumed_from(colocated, job))
+    _assert_continues_clipped(colocated, resumed, ranks=4)
+    first_stage = _fed_by_rank(resumed, 2)
+    assert first_stage and _fed_by_rank(colocated, 0)[-len(first_stage):] == first_stage
+    assert _fed_by_rank(resumed, 0) == first_stage[0::2]
+    assert _fed_by_rank(resumed, 1) == first_stage[1::2]
+
+
+TP2_LAYOUT_FILE = HERE / "decoupled_layout_tp2.yaml"
+
+
+@pytest.mark.timeout(1800)
+def test_pretrain_vlm_decoupled_with_tp2_in_both_roles_continues_the_colocated_tp2_run(real_jobs):
+    """Tensor parallelism in both roles (``decoupled_layout_tp2.yaml``: the ViT at TP 2 on
+    ranks 0-1, the LLM at TP 2 x PP 2 on ranks 2-5): resumed from iteration K of a co-located
+    ``--use-flowtrain`` TP 2 x PP 2 run with ``--clip-grad`` (its files are each TP rank's
+    shards; the encoder's TP ranks take the ViT's from stage 0's), it continues that run's
+    curve: every rank's gradient norm (each TP shard counted once over the slice) and the
+    losses, and the LLM's first stage is fed the co-located run's next packs."""
+    from realjob import RealJob
+    from test_real_job import FLOW, K
+    from test_real_job_pipeline import SLOW
+
+    colocated = real_jobs.run("flow_tp2_pp2_clip", RealJob(pp=2, tp=2, plugin=FLOW, timeout_s=SLOW, save="ckpt",
+                                                           save_interval=K, extra_args=("--clip-grad", str(CLIP))))
+    job = RealJob(pp=2, tp=2, world_size=6, plugin=FLOW + ("--flow-schedule-config", str(TP2_LAYOUT_FILE)),
+                  timeout_s=600)
+    resumed = real_jobs.run("decoupled_tp2_clip_from_colocated", _resumed_from(colocated, job))
+    _assert_continues_clipped(colocated, resumed, ranks=6)
+    first_stage = _fed_by_rank(resumed, 2)
+    assert first_stage and _fed_by_rank(colocated, 0)[-len(first_stage):] == first_stage
+    assert "(encoder dp 1 x tp 2, backbone dp 1 x tp 2 x pp 2, 6 ranks)" in resumed.output

@@ -34,17 +34,36 @@ def test_a_world_that_is_not_the_layouts_is_refused_naming_both():
 
 
 @pytest.mark.parametrize("fields, parsed, reason", [
-    ({"encoder_dp": 2}, {}, "encoder_dp 2 > 1"),
-    ({"backbone_tp": 2}, {}, "backbone_tp 2 > 1"),
+    ({"encoder_dp": 2}, {}, "encoder_dp 2 > 1 without --flow-packing"),
+    ({}, {"overlap_grad_reduce": True}, "--overlap-grad-reduce"),
+    ({"encoder_tp": 2}, {}, "encoder_tp 2 != backbone_tp 1"),
     ({}, {"save": "/ckpt", "ckpt_format": "torch_dist"}, "--save /ckpt with --ckpt-format torch_dist"),
     ({}, {"load": "/ckpt", "ckpt_format": "torch_dist"}, "--load /ckpt with --ckpt-format torch_dist"),
     ({"backbone_pp": 1}, {"save": "/ckpt", "ckpt_format": "torch"}, "--save /ckpt with backbone_pp 1"),
 ])
 def test_what_this_version_does_not_run_is_refused_with_the_reason(fields, parsed, reason):
     with pytest.raises(ValueError, match=f"does not run here yet: .*{reason}"):
-        roles.check_supported(layout(**fields), SimpleNamespace(**parsed))
-    roles.check_supported(layout(), SimpleNamespace(save=None, load=None))
-    roles.check_supported(layout(backbone_pp=2), SimpleNamespace(save="/ckpt", load="/ckpt", ckpt_format="torch"))
+        roles.check_supported(layout(**fields), SimpleNamespace(**parsed), packing=False)
+    roles.check_supported(layout(), SimpleNamespace(save=None, load=None), packing=False)
+    roles.check_supported(layout(backbone_pp=2), SimpleNamespace(save="/ckpt", load="/ckpt", ckpt_format="torch"),
+                          packing=False)
+
+
+def test_a_global_batch_the_encoder_replicas_cannot_share_is_refused_naming_the_numbers():
+    with pytest.raises(ValueError, match=r"2 encoder replicas per slice .*--global-batch-size 6 / "
+                                         r"\(--micro-batch-size 1 x backbone dp 2\)\) to be a multiple of 2"):
+        roles.check_encoder_share(layout(encoder_dp=2, backbone_dp=2), 6, 1)
+    roles.check_encoder_share(layout(encoder_dp=2, backbone_dp=2), 8, 1)
+    roles.check_encoder_share(layout(encoder_dp=1, backbone_dp=1), 3, 1)
+
+
+def test_several_encoder_replicas_per_slice_run_with_the_packing_loader():
+    """The plugin's loader gives every encoder replica its slice's packs (``loader_shard``)."""
+    roles.check_supported(layout(encoder_dp=2), SimpleNamespace(save=None, load=None), packing=True)
+
+
+def test_equal_tensor_parallel_sizes_in_both_roles_run():
+    roles.check_supported(layout(encoder_tp=2, backbone_tp=2), SimpleNamespace(save=None, load=None), packing=True)
 
 
 def test_role_world_answers_for_the_role_and_puts_torch_distributed_back():
