@@ -121,7 +121,7 @@ def from_pack(pack: dict[str, Any], loss_tokens: int, attention: str) -> ModelBa
 
 
 @dataclass
-class _Sample:
+class PackSample:
     """One sample cut out of a pack, with the image rows that belong to its tokens."""
 
     sample_id: str
@@ -139,11 +139,13 @@ def padded_microbatches(packs: Sequence[dict[str, Any]], micro_batch_size: int, 
     its tokens stand for image patches (``t*h*w/4`` merged tokens per image)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    samples = [s for pack in packs for s in _split_pack(pack, image_token_id)]
+    samples = [s for pack in packs for s in split_pack(pack, image_token_id)]
     return [_pad(samples[i:i + micro_batch_size], loss_tokens) for i in range(0, len(samples), micro_batch_size)]
 
 
-def _split_pack(pack: dict[str, Any], image_token_id: int) -> list[_Sample]:
+def split_pack(pack: dict[str, Any], image_token_id: int) -> list[PackSample]:
+    """The pack's samples in order, each with its own image rows and grids
+    (``image_token_id`` says which tokens stand for image patches)."""
     starts = pack["cu_seqlens"].tolist()
     grids = pack["image_grid_thw"].reshape(-1, 3)
     merged_tokens = (grids.prod(dim=1) // (MERGE * MERGE)).tolist()
@@ -162,7 +164,7 @@ def _split_pack(pack: dict[str, Any], image_token_id: int) -> list[_Sample]:
             raise ValueError(
                 f"sample {sample_id}: its {int((ids == image_token_id).sum())} image tokens (id {image_token_id}) do "
                 f"not match whole images of the pack's image_grid_thw from image {first_image} on")
-        samples.append(_Sample(sample_id, ids, pack["labels"][0, start:end], pack["pixel_values"][first_row:row],
+        samples.append(PackSample(sample_id, ids, pack["labels"][0, start:end], pack["pixel_values"][first_row:row],
                                grids[first_image:image]))
     if image != len(merged_tokens):
         raise ValueError(f"pack {pack['sample_ids']}: {len(merged_tokens) - image} images are left over after its "
@@ -170,7 +172,7 @@ def _split_pack(pack: dict[str, Any], image_token_id: int) -> list[_Sample]:
     return samples
 
 
-def _pad(samples: list[_Sample], loss_tokens: int) -> ModelBatch:
+def _pad(samples: list[PackSample], loss_tokens: int) -> ModelBatch:
     lengths = [len(s.input_ids) for s in samples]
     seq, device = max(lengths), samples[0].input_ids.device
     input_ids = torch.full((len(samples), seq), PAD_TOKEN, dtype=torch.long, device=device)
@@ -186,6 +188,20 @@ def _pad(samples: list[_Sample], loss_tokens: int) -> ModelBatch:
         segments=torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32),
         attention="dense", loss_tokens=loss_tokens, sample_ids=[s.sample_id for s in samples],
         padded_tokens=len(samples) * seq,
+    )
+
+
+def join_samples(samples: Sequence[PackSample], loss_tokens: int) -> ModelBatch:
+    """``samples`` end to end in one packed row, varlen attention: the microbatch the flow's
+    backbone packs after encoding (its image rows in the same order as its image tokens)."""
+    segments = torch.tensor([0] + [len(s.input_ids) for s in samples]).cumsum(0).to(torch.int32)
+    segments = segments.to(samples[0].input_ids.device)
+    return ModelBatch(
+        input_ids=torch.cat([s.input_ids for s in samples])[None], labels=torch.cat([s.labels for s in samples])[None],
+        position_ids=_restarting_positions(segments)[None], pixel_values=torch.cat([s.pixel_values for s in samples]),
+        image_grid_thw=torch.cat([s.image_grid_thw for s in samples]).reshape(-1, 3), segments=segments,
+        attention="varlen", loss_tokens=loss_tokens, sample_ids=[s.sample_id for s in samples],
+        padded_tokens=int(segments[-1]),
     )
 
 

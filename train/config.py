@@ -70,6 +70,10 @@ class LayoutConfig:
     flow_backbone_dp: int = 1
     max_ahead: int = 2
     pool_backend: str = "shm"
+    flow: bool = False
+    pool_capacity_mb: Optional[float] = None  # None: what max_ahead packs of embeddings need (train/flow.py)
+    flow_encoder_batch_patches: int = 1024
+    flow_max_in_flight: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,14 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
         problems.append(f"layout.best_baseline_pp: {best} must be >= 1 and divide layout.world_size {lay.world_size}")
     if best is not None and best == lay.baseline_pp:
         problems.append(f"layout.best_baseline_pp: {best} is layout.baseline_pp already (null: no second baseline)")
+    if lay.flow and lay.pool_backend != "shm":
+        problems.append(f"layout.flow: the flow runs on the 'shm' pool (one host), not {lay.pool_backend!r}")
+    if lay.pool_capacity_mb is not None and not lay.pool_capacity_mb > 0:
+        problems.append(f"layout.pool_capacity_mb: must be > 0 (or null), got {lay.pool_capacity_mb}")
+    if lay.flow_encoder_batch_patches < 1:
+        problems.append(f"layout.flow_encoder_batch_patches: must be >= 1, got {lay.flow_encoder_batch_patches}")
+    if lay.flow_max_in_flight is not None and lay.flow_max_in_flight < 1:
+        problems.append(f"layout.flow_max_in_flight: must be >= 1 (or null), got {lay.flow_max_in_flight}")
     if lay.pool_backend not in POOL_BACKENDS:
         problems.append(f"layout.pool_backend: {lay.pool_backend!r} is not one of {POOL_BACKENDS}")
     if problems:

@@ -33,6 +33,7 @@ class StepData:
     step: int  # 1-based global step
     packs: list[dict]  # collate_pack dicts, tensors on the rank's device
     loss_tokens: int  # batches.count_loss_tokens(packs): the loss denominator of the step
+    ahead: Optional["StepData"] = None  # the next step's data (a lookahead feed), for a producer running ahead
 
     @property
     def sample_ids(self) -> list[str]:
@@ -88,9 +89,14 @@ def with_tokenizer(cfg: "TrainConfig") -> "TrainConfig":
 
 
 class StepFeed:
-    """``next()`` gives the next :class:`StepData`; call it on every rank in the same order."""
+    """``next()`` gives the next :class:`StepData`; call it on every rank in the same order.
 
-    def __init__(self, cfg: "TrainConfig", env: "DistEnv") -> None:
+    ``lookahead``: each step also carries the next step's data (``StepData.ahead``), read one
+    step early, for the flow's frozen encoder that runs ahead; ``state_dict`` is still the
+    position right after the step handed out, so a resumed feed reads the looked-ahead step
+    again (none lost, none twice)."""
+
+    def __init__(self, cfg: "TrainConfig", env: "DistEnv", *, lookahead: bool = False) -> None:
         import torch.distributed as dist
 
         from mindspeed_flow.data import FlowDataLoader
@@ -106,6 +112,9 @@ class StepFeed:
             group=group, src=SOURCE_RANK if group is not None else None, device=env.device,
             max_pixels=cfg.data.max_pixels)
         self._packs: Optional[Iterator[dict[str, Any]]] = None
+        self.lookahead = lookahead
+        self._next: Optional[StepData] = None  # read ahead, not handed out yet
+        self._position: Optional[dict[str, Any]] = None  # the loader's state right after step ``self.step``
 
     def _next_pack(self) -> dict[str, Any]:
         for _ in range(2):  # an exhausted epoch is followed by the next one
@@ -119,19 +128,30 @@ class StepFeed:
                            "(every sample bad or overlong? see the loader's warnings)")
 
     def next(self) -> StepData:
+        if not self.lookahead:
+            data = self._read(self.step + 1)
+        else:
+            data = self._next or self._read(self.step + 1)
+            self._position = self.loader.state_dict()
+            data.ahead = self._next = self._read(self.step + 2)
+        self.step = data.step
+        return data
+
+    def _read(self, step: int) -> StepData:
         from mindspeed_flow.train.batches import count_loss_tokens
 
         packs = [self._on_device(self._next_pack()) for _ in range(self.cfg.data.packs_per_step)]
-        self.step += 1
-        return StepData(step=self.step, packs=packs, loss_tokens=count_loss_tokens(packs))
+        return StepData(step=step, packs=packs, loss_tokens=count_loss_tokens(packs))
 
     def _on_device(self, pack: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.env.device) if hasattr(v, "to") else v for k, v in pack.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "loader": self.loader.state_dict()}
+        position = self._position if self.lookahead and self._position is not None else self.loader.state_dict()
+        return {"step": self.step, "loader": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
         self._packs = None  # the next pack comes from the restored position
+        self._next = self._position = None

@@ -194,7 +194,7 @@ class FlowTrainer(Trainer):
         mine = replica_share(len(data.packs), self.replica, self.decoupled.backbone_dp)
         plan = self.plans.get(len(mine))
         if plan is None:
-            plan = self.plans[len(mine)] = self.decoupled.plan(len(mine))
+            plan = self.plans[len(mine)] = self.decoupled.plan(len(mine), trainable_encoder=not self.cfg.model.freeze_vit)
         batches = (from_pack(data.packs[i], data.loss_tokens, "varlen").to(self.env.device) for i in mine)
         replicas = self.decoupled.backbone_dp  # average_grads divides by it: undo that
         rules = replace(loss_rules(), grad_scale_func=lambda loss: loss * replicas)
@@ -243,7 +243,10 @@ def pool_prefix(rank0_pid: int) -> str:
 
 
 def pool_bytes(cfg: "TrainConfig") -> int:
-    """What one rank puts at most: the embeddings (or their gradients) of the microbatches
-    in flight, a pack of ``data.capacity`` tokens each, fp32."""
+    """Each participant's pool segment: ``layout.pool_capacity_mb`` when set, else what one
+    rank puts at most: the embeddings (or their gradients) of the microbatches in flight, a
+    pack of ``data.capacity`` tokens each, fp32."""
+    if cfg.layout.pool_capacity_mb is not None:
+        return int(cfg.layout.pool_capacity_mb * 2**20)
     in_flight = (cfg.layout.max_ahead or cfg.data.packs_per_step) + 1
     return max(_POOL_MIN_BYTES, 2 * in_flight * cfg.data.capacity * cfg.model.llm_hidden * 4)

@@ -115,7 +115,8 @@ def _train(spec: "RunSpec", env: "DistEnv", emit: Callable, *, phase: str, parit
     started = time.perf_counter()
     trainer = build_trainer(spec.kind, cfg, env, parity=parity, switches=spec.features)
     try:
-        feed = StepFeed(cfg, env)
+        # the flow's frozen ViT runs ahead: every rank gets the next step's data too
+        feed = StepFeed(cfg, env, lookahead=spec.kind == FLOWTRAIN and cfg.layout.flow and cfg.model.freeze_vit)
         if resume_from is not None:
             _load_checkpoint(resume_from, trainer, feed, env)
         first = feed.step + 1
@@ -123,6 +124,8 @@ def _train(spec: "RunSpec", env: "DistEnv", emit: Callable, *, phase: str, parit
         outcomes, ids = [], []
         for _ in range(first, steps + 1):
             data = feed.next()
+            if data.step == steps:
+                data.ahead = None  # nothing runs ahead past the run's last step
             outcome = trainer.train_step(data)
             outcomes.append(outcome)
             ids.append(data.sample_ids)
@@ -132,6 +135,7 @@ def _train(spec: "RunSpec", env: "DistEnv", emit: Callable, *, phase: str, parit
                 _save_checkpoint(cfg.checkpoint_path, trainer, feed, env, cfg)
         record = trainer.rank_record()
         info = {"layout": trainer.layout, "features": list(trainer.features), "plan_text": trainer.plan_text,
+                "timeline_from_end": trainer.timeline_from_end,
                 "device": env.device.type}
     finally:
         trainer.close()
@@ -218,12 +222,15 @@ class Progress:
 
 def run_record(spec: "RunSpec", ranks: list[RankRun], world_size: int) -> "RunRecord":
     """The report's record of one run from every rank's part: rank 0's steps, one record
-    per rank, every rank's intervals of the last (measured) step as the timeline, and the
+    per rank, every rank's intervals of the last (measured) step as the timeline (the
+    trainer's ``timeline_from_end``-th from the end: the flow's frozen ViT runs ahead in every
+    step but the last), and the
     run's place in the ablation chain."""
     from mindspeed_flow.train.metrics import RunRecord
 
     first = ranks[0]
-    timeline = [iv for r in ranks if r.steps for iv in r.steps[-1].intervals]
+    back = min(first.info.get("timeline_from_end", 1), len(first.steps)) or 1
+    timeline = [iv for r in ranks if r.steps for iv in r.steps[-back].intervals]
     return RunRecord(name=spec.name, layout=first.info["layout"], world_size=world_size,
                      features=first.info["features"], plan_text=first.info["plan_text"], steps=first.steps,
                      ranks=[r.rank_record for r in ranks], timeline=timeline, device=first.info["device"],

@@ -55,6 +55,8 @@ class Interval:
 
     ``region`` is ``"vit"`` or ``"llm"``; ``kind`` one of :data:`KINDS`; ``microbatch`` the
     microbatch index, or :data:`NO_MICROBATCH` for a per-step action such as ``REDUCE``.
+    ``ahead``: how many steps later the step whose data this action works on is (the flow's
+    frozen encoder encodes the next step's batches during this one: 1), 0 for this step's.
     """
 
     rank: int
@@ -63,6 +65,7 @@ class Interval:
     microbatch: int
     start: float
     end: float
+    ahead: int = 0
 
     def __post_init__(self) -> None:
         owner = f"Interval(rank={self.rank}, {self.kind} {self.region} mb{self.microbatch})"
@@ -75,6 +78,8 @@ class Interval:
             raise MetricsError(f"{owner}: microbatch must be an int >= {NO_MICROBATCH}, got {self.microbatch!r}")
         _check_time(owner, "start", self.start)
         _check_time(owner, "end", self.end)
+        if not isinstance(self.ahead, int) or self.ahead < 0:
+            raise MetricsError(f"{owner}: ahead must be an int >= 0, got {self.ahead!r}")
         if self.end < self.start:
             raise MetricsError(f"{owner}: ends at {self.end!r} s before it starts at {self.start!r} s")
 

@@ -21,7 +21,8 @@ class ModelConfig:
     """Shapes and seed of the tiny VLM (the YAML section ``model:``).
 
     ``vocab_size`` and ``image_token_id`` are 0 / -1 until the job reads them from the
-    corpus's tokenizer."""
+    corpus's tokenizer.  ``freeze_vit``: the ViT is not trained (every run), which lets the
+    flow's encoder ranks run ahead into the next step (``layout.flow``)."""
 
     vit_hidden: int = 64
     vit_layers: int = 2
@@ -33,6 +34,7 @@ class ModelConfig:
     vocab_size: int = 0
     image_token_id: int = -1
     seed: int = 1234
+    freeze_vit: bool = False  # every run: the ViT's weights stay fixed (no gradients, no optimizer state)
 
 
 def init_by_name(named: Iterable[tuple[str, torch.Tensor]], seed: int, scaled_std: float,

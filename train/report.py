@@ -51,6 +51,7 @@ RULES = ("rates over the measured steps (every step but the first, warm-up one);
 # weight-gradient backward dotted); transfers are thin hatched bars under them.
 _ALPHA = {"F": 0.45, "B": 0.95, "W": 0.95, "PUT": 0.5, "GET": 0.5, "SEND": 0.5, "RECV": 0.5, "REDUCE": 0.5}
 _HATCH = {"W": "..", "PUT": "//", "GET": "\\\\", "SEND": "--", "RECV": "||", "REDUCE": "xx"}
+_AHEAD_HATCH = "oo"  # compute on a later step's data (the flow's producer running ahead)
 _LABEL = {"F": "F", "B": "B", "W": "W (weight grads)", "PUT": "pool put", "GET": "pool get", "SEND": "send",
           "RECV": "recv", "REDUCE": "grad reduce"}
 
@@ -248,12 +249,18 @@ def timeline_gantt(record: RunRecord, path: Path, *, span: float | None = None) 
     bars = []
     for iv in record.timeline:
         text = "" if iv.microbatch == NO_MICROBATCH else str(iv.microbatch)
+        if iv.ahead:
+            text = f"s+{iv.ahead}:{text}"
         shape = {} if iv.kind in COMPUTE_KINDS else {"height": 0.25, "offset": 0.3}
-        bars.append(Bar(iv.rank, iv.start, iv.end, colour[iv.region], _ALPHA[iv.kind], _HATCH.get(iv.kind),
+        hatch = _AHEAD_HATCH if iv.ahead and iv.kind in COMPUTE_KINDS else _HATCH.get(iv.kind)
+        bars.append(Bar(iv.rank, iv.start, iv.end, colour[iv.region], _ALPHA[iv.kind], hatch,
                         text if iv.kind in COMPUTE_KINDS else "", **shape))
     drawn = {(iv.region, iv.kind) for iv in record.timeline}
     keys = [Key(f"{region} {_LABEL[kind]}", colour[region], _ALPHA[kind], _HATCH.get(kind))
             for region in REGIONS for kind in KINDS if (region, kind) in drawn]
+    keys += [Key(f"{region} {_LABEL[kind]}, next step's data (running ahead)", colour[region], _ALPHA[kind],
+                 _AHEAD_HATCH) for region, kind in sorted({(iv.region, iv.kind) for iv in record.timeline
+                                                           if iv.ahead and iv.kind in COMPUTE_KINDS})]
     end = _timeline_end(record)
     span = span or end or 1.0
     idle = sum(k.idle_fraction for k in record.ranks) / len(record.ranks) if record.ranks else math.nan

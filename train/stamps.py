@@ -49,9 +49,9 @@ class StepStamps:
         self.origin = origin
         self.intervals = []
 
-    def add(self, region: str, kind: str, microbatch: int, start: float, end: float) -> None:
+    def add(self, region: str, kind: str, microbatch: int, start: float, end: float, ahead: int = 0) -> None:
         self.intervals.append(Interval(self.rank, region, kind, microbatch, max(0.0, start - self.origin),
-                                       max(0.0, end - self.origin)))
+                                       max(0.0, end - self.origin), ahead))
 
     def now(self) -> float:
         self.sync()

@@ -61,6 +61,7 @@ class Trainer:
 
     name: str = ""
     features: tuple[str, ...] = ()
+    timeline_from_end: int = 1  # the report's timeline: this step from the end (1: the last)
 
     def __init__(self, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False) -> None:
         self.cfg = cfg
@@ -88,7 +89,8 @@ class Trainer:
 
     def make_optimizer(self) -> None:
         opt = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+        # one explicit group: a rank with nothing to train (a frozen ViT's) gets an empty one
+        self.optimizer = torch.optim.AdamW([{"params": self.parameters()}], lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                            weight_decay=opt.weight_decay)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -260,7 +262,8 @@ def _copied(obj: Any) -> Any:
 
 def build_trainer(kind: str, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False,
                   switches: "RunFeatures | None" = None) -> Trainer:
-    """The ``kind`` run (``"baseline"``: co-located, or ``"flowtrain"``: decoupled) on this
+    """The ``kind`` run (``"baseline"``: co-located, or ``"flowtrain"``: decoupled, lockstep or
+    the flow with ``layout.flow``) on this
     rank with ``switches`` (default: that kind's own, the baseline's all off); collective:
     every rank calls it at the same point."""
     from mindspeed_flow.train.runs import FLOWTRAIN_FEATURES, RunFeatures
@@ -270,9 +273,13 @@ def build_trainer(kind: str, cfg: "TrainConfig", env: "DistEnv", *, parity: bool
 
         return BaselineTrainer(cfg, env, parity=parity, switches=switches or RunFeatures())
     if kind == "flowtrain":
-        from mindspeed_flow.train.flow import FlowTrainer
-
         if switches not in (None, FLOWTRAIN_FEATURES):
             raise ValueError(f"the flowtrain trainer runs {FLOWTRAIN_FEATURES}, not {switches}")
+        if cfg.layout.flow:  # FlowTrain's flow over the same ranks (train/stream.py)
+            from mindspeed_flow.train.stream import StreamTrainer
+
+            return StreamTrainer(cfg, env, parity=parity)
+        from mindspeed_flow.train.flow import FlowTrainer
+
         return FlowTrainer(cfg, env, parity=parity)
     raise ValueError(f"unknown run {kind!r}: choose one of {', '.join(RUNS)}")

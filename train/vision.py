@@ -138,9 +138,10 @@ class VisionEncoder(nn.Module):
 def init_vision_encoder(cfg: ModelConfig, *, conv_matmul: bool, varlen: bool) -> VisionEncoder:
     """A :class:`VisionEncoder` whose weights depend on ``cfg.seed`` only: the Conv3d and
     matmul patch embeddings hold the same kernel (initialised in the conv layout, then
-    flattened), so the baseline and FlowTrain start identical."""
+    flattened), so the baseline and FlowTrain start identical.  ``cfg.freeze_vit``: its
+    parameters do not require gradients."""
     encoder = VisionEncoder(cfg, conv_matmul=False, varlen=varlen)
     init_by_name(encoder.named_parameters(prefix="vit"), cfg.seed, INIT_STD)
     if conv_matmul:
         replace_conv(encoder, "patch_embed")
-    return encoder
+    return encoder.requires_grad_(not cfg.freeze_vit)

@@ -15,7 +15,10 @@ the batch's embedding rows, its samples' image tokens end to end in the batch's 
 - **Frozen encoder**: no graph, no gradients; :meth:`EmbeddingProducer.run` goes on into
   the next steps' samples without waiting for the backbone, bounded by the pool's capacity
   (a put that does not fit waits: back-pressure, never eviction) and by ``max_in_flight``
-  entries put and not yet taken.
+  entries put and not yet taken.  A caller whose step must end (a trainer joining the
+  step's collectives) calls :meth:`EmbeddingProducer.run_ahead` instead: it encodes the next
+  step's batches only while their entries fit and never waits; :meth:`EmbeddingProducer.forward`
+  of that step then puts what did not fit and encodes only the rest.
 
 A put that waits lets a trainable producer collect gradients meanwhile, so a pool smaller
 than a step's embeddings cannot stall the flow.  :class:`ProducerStats` records what was
@@ -24,12 +27,13 @@ done, for tests and the job's report.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..pool import Pool
+from ..pool import Pool, PoolFull
 from ..schedule.keys import BoundaryKind
 from .errors import StreamError
 from .grouping import FlowGrouping
@@ -38,6 +42,9 @@ from .transfers import Waiting, put_waiting, take_ready
 
 ACT, GRAD = BoundaryKind.ACT, BoundaryKind.GRAD
 Encode = Callable[[Sequence[SampleMeta]], torch.Tensor]
+# ``record(kind, step, batch, start, end)``: one producer action (``"F"``, ``"PUT"``, ``"B"``)
+# in ``time.monotonic()`` seconds, for a caller's timeline (the job's Gantt chart).
+Record = Callable[[str, int, int, float, float], None]
 
 
 @dataclass
@@ -73,10 +80,12 @@ class EmbeddingProducer:
         max_in_flight: at most this many of this producer's entries put and not yet taken
             (``None``: the pool's capacity alone bounds it).
         timeout_s: how long one put, or one wait for gradients, may wait.
+        record: called with each forward, batch of puts and backward as it ends (see
+            :data:`Record`).
     """
 
     def __init__(self, pool: Pool, encode: Encode, *, replica: int, trainable: bool,
-                 max_in_flight: int | None = None, timeout_s: float = 60.0) -> None:
+                 max_in_flight: int | None = None, timeout_s: float = 60.0, record: Record | None = None) -> None:
         if max_in_flight is not None and max_in_flight < 1:
             raise StreamError(f"flow producer {replica}: max_in_flight must be >= 1 or None, got {max_in_flight}")
         self.pool = pool
@@ -88,6 +97,10 @@ class EmbeddingProducer:
         self.stats = ProducerStats()
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._in_flight: list[str] = []  # keys put and maybe not taken yet
+        self._record = record
+        self._encoded: set[tuple[int, int]] = set()  # (step, batch) already encoded (ahead, frozen)
+        self._held: list[SampleMeta] = []  # encoded ahead, not put yet: the pool had no room
+        self._held_rows: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ the steps
 
@@ -107,22 +120,72 @@ class EmbeddingProducer:
         return self.stats
 
     def forward(self, grouping: FlowGrouping) -> None:
-        """Encode this replica's batches of ``grouping`` and put every sample's rows."""
-        batches = grouping.replica_batches(self.replica)
+        """Encode this replica's batches of ``grouping`` and put every sample's rows (the
+        batches :meth:`run_ahead` encoded already are put, not encoded again)."""
+        self._put_held()
+        batches = [b for b in grouping.replica_batches(self.replica) if (grouping.step, b) not in self._encoded]
         self.pool.announce(str(m.key(ACT)) for b in batches for m in grouping.metas(grouping.batches[b]))
         for b in batches:
-            metas = grouping.metas(grouping.batches[b])
-            if self.trainable:
-                output = self.encode(metas)
-            else:
-                with torch.no_grad():
-                    output = self.encode(metas)
-            self.stats.forwards.append((grouping.step, b))
-            rows = _split_rows(output, metas, f"flow producer {self.replica}: step {grouping.step} batch {b}")
-            if self.trainable:
-                self._pending[(grouping.step, b)] = _Pending(output, list(metas))
+            metas, rows = self._encode(grouping, b)
+            started = time.monotonic()
             for meta, part in zip(metas, rows):
                 self._put(meta, part)
+            self._note("PUT", grouping.step, b, started)
+        self._encoded = {(step, b) for step, b in self._encoded if step > grouping.step}
+
+    def run_ahead(self, grouping: FlowGrouping) -> int:
+        """Frozen encoder: encode this replica's batches of a later step's ``grouping`` now,
+        while their entries fit: it stops before a batch when ``max_in_flight`` entries are
+        in flight, and keeps what the pool has no room for until :meth:`forward` of that step
+        puts it (never waits, so the caller can end its step).  Returns the batches encoded."""
+        if self.trainable:
+            raise StreamError(f"flow producer {self.replica}: a trainable encoder cannot run ahead into step "
+                              f"{grouping.step} (its weights change at the step boundary)")
+        done = 0
+        for b in grouping.replica_batches(self.replica):
+            if (grouping.step, b) in self._encoded:
+                continue
+            if self._held or (self.max_in_flight is not None and self._still_in_flight() >= self.max_in_flight):
+                break
+            metas = grouping.metas(grouping.batches[b])
+            self.pool.announce(str(m.key(ACT)) for m in metas)
+            metas, rows = self._encode(grouping, b)
+            self._encoded.add((grouping.step, b))
+            done += 1
+            started = time.monotonic()
+            for meta, part in zip(metas, rows):
+                if self._held or not self._try_put(meta, part):
+                    self._held.append(meta)
+                    self._held_rows.append(part)
+            self._note("PUT", grouping.step, b, started)
+        return done
+
+    @property
+    def ahead(self) -> list[str]:
+        """Keys of later steps' entries this producer encoded ahead and the backbone has not
+        taken yet (put or held): a checkpoint taken now does not hold them, a resumed run
+        encodes them again."""
+        return [k for k in self._in_flight if self.pool.ready(k)] + [str(m.key(ACT)) for m in self._held]
+
+    def _encode(self, grouping: FlowGrouping, b: int) -> tuple[list[SampleMeta], list[torch.Tensor]]:
+        """Batch ``b`` of ``grouping`` encoded: its samples and each one's rows."""
+        metas = grouping.metas(grouping.batches[b])
+        started = time.monotonic()
+        if self.trainable:
+            output = self.encode(metas)
+        else:
+            with torch.no_grad():
+                output = self.encode(metas)
+        self.stats.forwards.append((grouping.step, b))
+        self._note("F", grouping.step, b, started)
+        rows = _split_rows(output, metas, f"flow producer {self.replica}: step {grouping.step} batch {b}")
+        if self.trainable:
+            self._pending[(grouping.step, b)] = _Pending(output, list(metas))
+        return metas, rows
+
+    def _note(self, kind: str, step: int, batch: int, started: float) -> None:
+        if self._record is not None:
+            self._record(kind, step, batch, started, time.monotonic())
 
     def backward(self, grouping: FlowGrouping) -> None:
         """Run the backward of each of this replica's batches of ``grouping`` as soon as its
@@ -166,8 +229,10 @@ class EmbeddingProducer:
         for batch in [b for b, p in self._pending.items() if len(p.grads) == len(p.metas)]:
             pending = self._pending.pop(batch)
             grad = torch.cat([pending.grads[m.sample_id] for m in pending.metas]).to(pending.output)
+            started = time.monotonic()
             torch.autograd.backward(pending.output, grad_tensors=grad)
             self.stats.backwards.append(batch)
+            self._note("B", batch[0], batch[1], started)
         return bool(taken)
 
     def _missing_gradient(self, step: int) -> str:
@@ -198,6 +263,24 @@ class EmbeddingProducer:
                                              while_full=self._while_full)
         self.stats.bytes_put += rows.numel() * rows.element_size()
         self._in_flight.append(key)
+
+    def _try_put(self, meta: SampleMeta, rows: torch.Tensor) -> bool:
+        """Put one sample's entry if it fits now; whether it did."""
+        key = str(meta.key(ACT))
+        try:
+            self.pool.put(key, rows.contiguous(), meta.to_pool_meta(), timeout=0)
+        except PoolFull:
+            return False
+        self.stats.bytes_put += rows.numel() * rows.element_size()
+        self._in_flight.append(key)
+        return True
+
+    def _put_held(self) -> None:
+        """Put what :meth:`run_ahead` encoded and had no room for (waiting for room now)."""
+        held, rows = self._held, self._held_rows
+        self._held, self._held_rows = [], []
+        for meta, part in zip(held, rows):
+            self._put(meta, part)
 
     def _while_full(self) -> bool:
         return self.trainable and self.collect_gradients()
