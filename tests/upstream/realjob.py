@@ -146,6 +146,23 @@ class RealJob:
             _set_path(data, path, value)
         return data
 
+    @property
+    def assets_name(self) -> str:
+        """The assets folder's name (jobs with the same assets share it)."""
+        return f"assets_{self.samples}"
+
+    def make_assets(self, root: Path) -> "Assets":
+        return make_assets(root, self.samples)
+
+    def script_and_args(self, sources, workdir: Path, assets: "Assets") -> tuple[Path, list[str]]:
+        """``pretrain_vlm.py`` and its arguments; writes the model, data and tools JSON into ``workdir``."""
+        model_json, data_json = workdir / "model.json", workdir / "data.json"
+        model_json.write_text(json.dumps(self.model_json(), indent=1))
+        data_json.write_text(json.dumps(self.data_json(assets, workdir), indent=1))
+        tools = workdir / "tools.json"  # beside the job: MindSpeed-MM refuses paths outside the working folder
+        tools.write_text((sources.mindspeed_mm / "mindspeed_mm" / "tools" / "tools.json").read_text())
+        return sources.mindspeed_mm / "pretrain_vlm.py", self.args(workdir, model_json, data_json, tools)
+
     def args(self, workdir: Path, model_json: Path, data_json: Path, tools_json: Path) -> list[str]:
         layers = self.model_json()["text_decoder"]["num_layers"]
         args = [
@@ -267,23 +284,18 @@ def _run_in_own_group(cmd: list[str], cwd: Path, env: dict[str, str], timeout: i
 
 
 def run_real_job(job: RealJob, workdir: Path, check: bool = True, assets: Optional[Path] = None) -> RealRun:
-    """Run ``pretrain_vlm.py`` once under ``job`` in ``workdir`` (checkpoint paths relative to it).
+    """Run ``job``'s script (``pretrain_vlm.py``; a ``TransformersJob``: ``pretrain_transformers.py``)
+    once in ``workdir`` (checkpoint paths relative to it).
     Raises with the output's tail when the run fails, unless ``check`` is false."""
     sources = upstream_sources()
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    made = make_assets(Path(assets) if assets else workdir.parent / f"realjob_assets_{job.samples}", job.samples)
-    model_json, data_json = workdir / "model.json", workdir / "data.json"
-    model_json.write_text(json.dumps(job.model_json(), indent=1))
-    data_json.write_text(json.dumps(job.data_json(made, workdir), indent=1))
+    made = job.make_assets(Path(assets) if assets else workdir.parent / f"realjob_{job.assets_name}")
     observe = workdir / "observe"
     if observe.is_dir():
         for old in observe.iterdir():
             old.unlink()
-    script = sources.mindspeed_mm / "pretrain_vlm.py"
-    tools = workdir / "tools.json"  # beside the job: MindSpeed-MM refuses paths outside the working folder
-    tools.write_text((sources.mindspeed_mm / "mindspeed_mm" / "tools" / "tools.json").read_text())
-    cmd = command(job, script, job.args(workdir, model_json, data_json, tools))
+    cmd = command(job, *job.script_and_args(sources, workdir, made))
     env = run_env(sources, workdir, made, job)
     start, usage = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     code, output = _run_in_own_group(cmd, workdir, env, job.timeout_s)
@@ -329,7 +341,7 @@ class RealJobs:
         else:
             run = load_run(job, self.reuse / name) if self.reuse else None
             if run is None:
-                run = run_real_job(job, self.root / name, check=False, assets=self.root / f"assets_{job.samples}")
+                run = run_real_job(job, self.root / name, check=False, assets=self.root / job.assets_name)
             self._done[name] = (job, run)
             self.reports.append(run.report)
         if check and run.returncode != 0:

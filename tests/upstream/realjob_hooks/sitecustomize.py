@@ -51,6 +51,7 @@ Observers (write JSON lines to ``$REALJOB_OBSERVE/observe_rank{RANK}.jsonl``):
 - every core-attention module of the LLM (instance forward pre-hooks) and
   ``torch_npu.npu_fusion_attention``: layout, shapes, mask kind and whether any query attends
   to a key of another sample of the batch.
+- ``TransformersModel`` forward (``pretrain_transformers.py``'s model): its batches, as ``VLMModel``'s.
 - ``mindspeed_mm.training.train_step``: the step's loss dict (full precision) and grad norm.
 """
 
@@ -431,6 +432,22 @@ def _observe_vlm(module) -> None:
     _say("observer: VLMModel batches and the LLM's core-attention calls (instance forward pre-hooks)")
 
 
+def _observe_transformers_model(module) -> None:
+    """``pretrain_transformers.py``'s model: its batches, as ``VLMModel``'s (no Megatron core attention)."""
+    import functools
+
+    cls = module.TransformersModel
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.register_forward_pre_hook(_vlm_pre_hook, with_kwargs=True)
+
+    cls.__init__ = __init__
+    _say("observer: TransformersModel batches (instance forward pre-hook)")
+
+
 def _timed_module(module, name: str, sleep_s: float) -> None:
     """``module``'s training forwards sleep ``sleep_s`` (and their backward twice that) under
     ``REALJOB_EMULATE``; under ``REALJOB_MODULE_TIMES`` each one's wall time is recorded."""
@@ -516,6 +533,7 @@ if OBSERVE:
         "megatron.core.dist_checkpointing.strategies.filesystem_async": [_shim_write_item],
         "numpy": [_shim_numpy],
         "mindspeed_mm.models.vlm_model": [_observe_vlm],
+        "mindspeed_mm.models.transformers_model": [_observe_transformers_model],
         "mindspeed_mm.training": [_observe_train_step],
         "torch": [lambda module: _shim_tensor_type(), lambda module: _shim_bf16_gemm()],
     }
