@@ -284,8 +284,18 @@ def real_compute_bench(script: str, ranks: int, what: str, extra_check: Callable
 
 
 def flow_layout_missing(source: str) -> Optional[str]:
-    return None if '"flow"' in source else "the flow layout: not available in this version (scripts/bench_decoupled.py " \
-                                           "runs stage0, decoupled-1 and decoupled-2 only)"
+    """What is missing for the flow layout's real-compute comparison (None: nothing).  The flow
+    layout may come as a layout of bench_decoupled (``source``) or as ``scripts/bench_flow.py``."""
+    if '"flow"' in source:
+        return None
+    bench_flow = ROOT / "scripts" / "bench_flow.py"
+    if not bench_flow.exists():
+        return ("the flow layout: not available in this version (scripts/bench_decoupled.py runs stage0, "
+                "decoupled-1 and decoupled-2 only, and there is no scripts/bench_flow.py)")
+    if '"--device"' not in bench_flow.read_text():
+        return ("the flow layout: scripts/bench_flow.py has it with emulated compute only (no --device option), "
+                "so it is not run on the device")
+    return "the flow layout: scripts/bench_flow.py has a --device option, which this device check does not run yet"
 
 
 SECTION_FUNCS: dict[str, Callable[[Check], dict]] = {
