@@ -1,0 +1,389 @@
+"""FlowTrain's flow vs today's lockstep decoupled step vs the ViT in pipeline stage 0, under a
+jittery ViT, measured on real processes and predicted by the schedule simulator.
+
+Compute is *injected* time, as in ``scripts/bench_decoupled.py`` (its ``Busy`` sleeps, so the
+4 ranks do not share the 2 cores): an image of ``p`` ViT patches costs ``--vit-us`` us per
+patch forward, an LLM microbatch ``a*sum(l) + b*sum(l^2)`` (``--llm-us``, ``--llm-quad-ns``),
+backwards twice their forward (a frozen ViT none).  Image sizes are drawn from a heavy-tailed
+(Pareto) distribution, fresh for every step, the same draws for every layout.
+
+Layouts, 4 ranks each:
+- ``flow``: 2 encoder replicas (producers, one pool entry per sample, batches of at most
+  ``--encoder-patches`` patches) + the backbone PP=2 x DP=1 (``mindspeed_flow.flow`` runtime);
+  a frozen ViT runs ahead into the next step (``run_ahead``), as in ``mindspeed-flow train``;
+- ``lockstep``: the same ranks as today's decoupled step (``mindspeed_flow.decoupled``):
+  encoder replica ``m % 2`` encodes exactly LLM microbatch ``m``;
+- ``stage0-pp2`` (PP=2 x DP=2) and ``stage0-pp1`` (PP=1 x DP=4): the ViT inside stage 0,
+  the baseline at its best of the two.
+Every layout trains the same LLM microbatches (``group_step``'s, packed by the LLM's cost).
+The simulator's prediction: ``compose_flow`` + ``simulate`` (flow; one step, so a frozen
+ViT's running ahead across steps is not in it), ``DecoupledLayout.plan`` + ``simulate``
+(lockstep), ``compose`` of the ViT-in-stage-0 pipeline + ``simulate`` (stage0-pp2), and the
+replicas' summed compute (stage0-pp1, no pipeline).
+
+    python scripts/bench_flow.py                 # trainable and frozen ViT; PNG + JSON under outputs/bench_flow/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decoupled import Busy, launch  # noqa: E402 - the same injected compute and launcher
+
+from mindspeed_flow.decoupled import DecoupledLayout  # noqa: E402
+from mindspeed_flow.flow import (EmbeddingConsumer, EmbeddingProducer, EncoderCost, FlowRanks,  # noqa: E402
+                                 SampleMeta, backbone_plan, compose_flow, flow_costs, group_step, stage_feed)
+from mindspeed_flow.packing import CostModel  # noqa: E402
+from mindspeed_flow.runtime import Binding, Executor, LossRules  # noqa: E402
+from mindspeed_flow.schedule import OneFOneB, Region, compose, simulate  # noqa: E402
+from mindspeed_flow.schedule.costs import CostTable, RegionCost  # noqa: E402
+
+DIM = 16
+ROWS = 8
+LAYOUTS = ("flow", "lockstep", "stage0-pp2", "stage0-pp1")
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+def step_samples(args: argparse.Namespace, step: int) -> list[SampleMeta]:
+    """One step's samples: heavy-tailed image sizes (Pareto, multiples of 4 patches), a few text-only."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + step)
+    out = []
+    for i in range(args.samples):
+        text = int(torch.randint(64, 384, (), generator=g))
+        if float(torch.rand((), generator=g)) < 0.1:
+            out.append(SampleMeta(i, step, text))
+            continue
+        pareto = float(torch.rand((), generator=g)) ** (-1.0 / args.alpha)  # >= 1, heavy tail
+        patches = 4 * min(int(args.min_patches / 4 * pareto), args.max_patches // 4)
+        out.append(SampleMeta(i, step, text + patches // 4, patches // 4, (patches,)))
+    return out
+
+
+def models(args: argparse.Namespace) -> tuple[CostModel, EncoderCost]:
+    return (CostModel(linear=args.llm_us * 1e-6, quadratic=args.llm_quad_ns * 1e-9),
+            EncoderCost(linear=args.vit_us * 1e-6))
+
+
+def grouping(args: argparse.Namespace, step: int):
+    llm, encoder = models(args)
+    return group_step(step_samples(args, step), capacity=args.capacity, llm_cost=llm, encoder_cost=encoder,
+                      encoder_budget=encoder.cost([SampleMeta(0, 0, 1, 0, (args.encoder_patches,))]),
+                      encoder_replicas=2, dp=1, pp=2, microbatches=args.microbatches)
+
+
+def seconds(args: argparse.Namespace, g) -> tuple[list[float], list[float]]:
+    """Per LLM microbatch: its samples' ViT forward seconds, and its LLM forward seconds."""
+    llm, encoder = models(args)
+    return ([encoder.cost(g.metas(m)) for m in g.microbatches],
+            [llm.cost([s.llm_tokens for s in g.metas(m)]) for m in g.microbatches])
+
+
+class Chunk(nn.Module):
+    """A model chunk whose forward sleeps ``cost(item)`` (backward twice that, or ``frozen``: none)."""
+
+    def __init__(self, cost, *, reads_input: bool, frozen: bool = False) -> None:
+        super().__init__()
+        self.layer = nn.Linear(DIM, DIM)
+        self.cost, self.reads_input, self.frozen = cost, reads_input, frozen
+        self.input: torch.Tensor | None = None
+        if frozen:
+            self.requires_grad_(False)
+
+    def set_input_tensor(self, tensors: list) -> None:
+        self.input = tensors[0]
+
+    def forward(self, item: Any) -> torch.Tensor:
+        x = self.input if self.reads_input and self.input is not None else torch.ones(ROWS, DIM)
+        if x.shape[0] != ROWS:  # a microbatch's image embeddings, summed into the rows
+            x = x.sum(0, keepdim=True).expand(ROWS, DIM) / max(1, x.shape[0])
+        f = self.cost(item)
+        out = torch.tanh(self.layer(x))
+        if self.frozen:
+            time.sleep(f)
+            return out
+        return Busy.apply(out, f, 2 * f)
+
+
+def forward_step(data_iterator, model):
+    def loss_func(output):
+        loss = output.pow(2).mean()
+        return loss, {"loss": loss.detach()}
+
+    return model(next(data_iterator)), loss_func
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, layout: str, frozen: bool, name: str) -> list[float]:
+    """Step times on this rank (barrier to barrier), ``args.steps + 1`` steps (the first warms up)."""
+    import torch.distributed as dist
+
+    groupings = [grouping(args, step) for step in range(args.steps + 2)]
+    run = {"flow": _flow_rank, "lockstep": _lockstep_rank, "stage0-pp2": _stage0_rank,
+           "stage0-pp1": _stage0_rank}[layout]
+    state = run(rank, args, layout, frozen, name, groupings)
+    times = []
+    for step in range(args.steps + 1):
+        dist.barrier()
+        start = time.monotonic()
+        state(step)
+        dist.barrier()
+        times.append(time.monotonic() - start)
+    closer = getattr(state, "close", None)
+    if closer is not None:
+        closer()
+    return times
+
+
+def _flow_rank(rank, args, layout, frozen, name, groupings):
+    import torch.distributed as dist
+
+    from mindspeed_flow.pool import open_pool
+
+    ranks = FlowRanks(2, 1, 2)
+    region, replica, stage = ranks.role(rank)
+    pipeline = dist.new_group(ranks.pipeline(0))
+    pool = open_pool("shm", capacity_bytes=args.pool_mb << 20, name=name, owner=f"rank{rank}", timeout_s=120)
+    llm, encoder = models(args)
+    dist.barrier()
+    if region == "vit":
+        vit = Chunk(lambda metas: encoder.cost(metas), reads_input=False, frozen=frozen)
+
+        def encode(metas):
+            out = vit(metas)  # [ROWS, DIM], its sleep the batch's cost
+            rows = sum(m.image_tokens for m in metas)
+            return out.mean(0, keepdim=True).expand(rows, DIM).contiguous()
+
+        producer = EmbeddingProducer(pool, encode, replica=replica, trainable=not frozen, timeout_s=120)
+
+        def step(k):
+            producer.forward(groupings[k])
+            if not frozen:
+                producer.backward(groupings[k])
+            elif k < args.steps:
+                producer.run_ahead(groupings[k + 1])
+
+        def close():
+            producer.wait_taken()
+            dist.barrier()
+            pool.close()
+    else:
+        chunk = Chunk(lambda item: llm.cost([s.llm_tokens for s in groupings[item.step].metas(item.sample_ids)]) / 2,
+                      reads_input=True)
+        consumer = EmbeddingConsumer(pool, trainable=not frozen, timeout_s=120) if stage == 0 else None
+        executor = Executor(stage, ranks.pipeline(0), group=pipeline)
+
+        def flow_forward_step(data_iterator, model):
+            item = next(data_iterator)
+            if stage == 0:
+                model.set_input_tensor([item.embeddings])
+            return forward_step(iter([item]), model)
+
+        def step(k):
+            g = groupings[k]
+            executor.run(backbone_plan(g), flow_forward_step, {("llm", stage): Binding(chunk, stage_feed(g, 0, consumer))},
+                         loss=LossRules(calculate_per_token_loss=True))
+            if consumer is not None:
+                consumer.finish(g, 0)
+
+        def close():
+            dist.barrier()
+            pool.close()
+    step.close = close
+    return step
+
+
+def _lockstep_rank(rank, args, layout, frozen, name, groupings):
+    import torch.distributed as dist
+
+    from mindspeed_flow.pool import open_pool
+
+    decoupled = DecoupledLayout(encoder_dp=2, backbone_pp=2, backbone_dp=1, max_ahead=args.microbatches)
+    role = decoupled.role(rank)
+    pool = open_pool("shm", capacity_bytes=args.pool_mb << 20, name=name, owner=f"rank{rank}", timeout_s=120)
+    executor = Executor(rank, list(range(4)), pool=pool)
+    current = {}
+    vit_s = lambda m: current["vit"][m]  # noqa: E731
+    llm_s = lambda m: current["llm"][m] / 2  # noqa: E731
+    module = (Chunk(vit_s, reads_input=False, frozen=frozen) if role.region == "vit"
+              else Chunk(llm_s, reads_input=True))
+    plan = decoupled.plan(args.microbatches, trainable_encoder=not frozen)
+    dist.barrier()
+
+    def step(k):
+        current["vit"], current["llm"] = seconds(args, groupings[k])
+        executor.run(plan, forward_step, {role.binding: Binding(module, iter(range(args.microbatches)))})
+
+    def close():
+        dist.barrier()
+        pool.close()
+    step.close = close
+    return step
+
+
+def _stage0_rank(rank, args, layout, frozen, name, groupings):
+    import torch.distributed as dist
+
+    pp = 2 if layout == "stage0-pp2" else 1
+    dp = 4 // pp
+    replica, stage = divmod(rank, pp)
+    current = {}
+    vit = Chunk(lambda m: current["vit"][m], reads_input=False, frozen=frozen)
+    llm = Chunk(lambda m: current["llm"][m] / pp, reads_input=True)
+    pipelines = [dist.new_group([d * pp + s for s in range(pp)]) for d in range(dp)]
+    mine = [m for m in range(args.microbatches) if m % dp == replica]
+
+    class Stage0(nn.Module):  # the ViT inside the first stage
+        def set_input_tensor(self, tensors):
+            llm.set_input_tensor(tensors)
+
+        def forward(self, m):
+            llm.input = vit(m)
+            return llm(m)
+
+    model = Stage0() if stage == 0 else llm
+    if pp == 2:
+        plan = compose([Region("llm", 2, OneFOneB(stages=2))], len(mine))
+        executor = Executor(stage, [replica * pp + s for s in range(pp)], group=pipelines[replica])
+
+    def step(k):
+        current["vit"], current["llm"] = seconds(args, groupings[k])
+        if pp == 2:
+            executor.run(plan, forward_step, {("llm", stage): Binding(model, iter(mine))})
+            return
+        for m in mine:
+            out = model(m)
+            out.pow(2).mean().backward()
+
+    return step
+
+
+# ----------------------------------------------------------------------------- the simulator
+
+
+def predicted(args: argparse.Namespace, layout: str, frozen: bool, step: int) -> float:
+    g = grouping(args, step)
+    llm, encoder = models(args)
+    vit_f, llm_f = seconds(args, g)
+    vit_cost = RegionCost(forward=1.0, backward_ratio=2.0, input_grad_ratio=0.0 if frozen else 1.0)
+    if layout == "flow":
+        plan = compose_flow(g, trainable_encoder=not frozen)
+        return simulate(plan, flow_costs(g, llm_cost=llm, encoder_cost=encoder,
+                                         encoder=vit_cost, backbone=RegionCost(backward_ratio=2.0))).step_time
+    table = CostTable({"vit": vit_cost, "llm": RegionCost(forward=1.0, backward_ratio=2.0)},
+                      microbatch_scale=lambda region, m: vit_f[m] if region == "vit" else llm_f[m])
+    if layout == "lockstep":
+        decoupled = DecoupledLayout(encoder_dp=2, backbone_pp=2, backbone_dp=1, max_ahead=args.microbatches)
+        return simulate(decoupled.plan(args.microbatches, trainable_encoder=not frozen), table).step_time
+    vit_b = 0.0 if frozen else 2.0
+    if layout == "stage0-pp1":
+        return max(sum(vit_f[m] * (1 + vit_b) + 3 * llm_f[m] for m in range(args.microbatches) if m % 4 == d)
+                   for d in range(4))
+    times = []
+    for d in range(2):
+        mine = [m for m in range(args.microbatches) if m % 2 == d]
+        sk = OneFOneB(stages=2)
+        plan = compose([Region("vit", 1, sk, trainable=not frozen), Region("llm", 2, sk)], len(mine))
+        local = CostTable(table.regions, microbatch_scale=lambda region, m, mine=mine:
+                          vit_f[mine[m]] if region == "vit" else llm_f[mine[m]])
+        times.append(simulate(plan, local).step_time)
+    return max(times)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def measure(args: argparse.Namespace, frozen: bool) -> dict:
+    rows = {}
+    for layout in LAYOUTS:
+        name = f"bflow{os.getpid()}-{layout}-{int(frozen)}"
+        ranks = launch(worker, 4, args, layout, frozen, name, timeout_s=600)
+        per_step = [max(r[k] for r in ranks) for k in range(1, args.steps + 1)]  # slowest rank, warm-up left out
+        sim = [predicted(args, layout, frozen, k) for k in range(1, args.steps + 1)]
+        rows[layout] = {"step_s": statistics.mean(per_step), "steps_s": per_step, "simulated_s": statistics.mean(sim)}
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=24, help="samples per step")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--capacity", type=int, default=2048, help="LLM tokens per microbatch at most")
+    parser.add_argument("--encoder-patches", type=int, default=1024, help="patches per encoder batch at most")
+    parser.add_argument("--min-patches", type=int, default=64, help="the Pareto draw's scale")
+    parser.add_argument("--max-patches", type=int, default=2048)
+    parser.add_argument("--alpha", type=float, default=1.2, help="Pareto tail index (smaller: heavier)")
+    parser.add_argument("--vit-us", type=float, default=40.0, help="ViT forward us per patch")
+    parser.add_argument("--llm-us", type=float, default=20.0, help="LLM forward us per token")
+    parser.add_argument("--llm-quad-ns", type=float, default=5.0, help="LLM forward ns per token^2 of a sample")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
+    parser.add_argument("--pool-mb", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_flow"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    from mindspeed_flow.pool.shm import destroy
+
+    results = {}
+    try:
+        for frozen in (False, True):
+            label = "frozen ViT" if frozen else "trainable ViT"
+            rows = measure(args, frozen)
+            base = min(rows["stage0-pp2"]["step_s"], rows["stage0-pp1"]["step_s"])
+            print(f"\n{label}: step time (mean of {args.steps} measured steps, slowest rank), simulator, ratios")
+            print(f"{'layout':<11} {'step s':>8} {'simulated s':>12} {'sim/meas':>9} {'lockstep/this':>14} "
+                  f"{'best stage0/this':>17}")
+            for layout, row in rows.items():
+                row["sim_over_measured"] = row["simulated_s"] / row["step_s"]
+                row["speedup_vs_lockstep"] = rows["lockstep"]["step_s"] / row["step_s"]
+                row["speedup_vs_best_stage0"] = base / row["step_s"]
+                print(f"{layout:<11} {row['step_s']:>8.3f} {row['simulated_s']:>12.3f} {row['sim_over_measured']:>9.2f} "
+                      f"{row['speedup_vs_lockstep']:>13.2f}x {row['speedup_vs_best_stage0']:>16.2f}x")
+            results[label] = rows
+    finally:
+        destroy(f"bflow{os.getpid()}")
+    (args.out / "bench_flow.json").write_text(json.dumps({"config": {k: str(v) if isinstance(v, Path) else v
+                                                                     for k, v in vars(args).items()},
+                                                          "results": results}, indent=1))
+    _chart(results, args.out / "bench_flow.png")
+    print(f"\nwritten: {args.out}/bench_flow.json, bench_flow.png")
+    return 0
+
+
+def _chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.6), squeeze=False)
+    for ax, (label, rows) in zip(axes[0], results.items()):
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["step_s"] for r in rows.values()], width=0.4, label="measured")
+        ax.bar([x + 0.2 for x in xs], [r["simulated_s"] for r in rows.values()], width=0.4, label="simulated")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(list(rows), fontsize=8)
+        ax.set_ylabel("step seconds")
+        ax.set_title(label)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
