@@ -42,7 +42,7 @@ from .placement import Placement, Visit
 from .plan import Plan
 from .regions import Region, check_cover
 from .seams import POOL
-from .skeletons import PREFIX, SHARDED
+from .skeletons import AHEAD, PHASED, SHARDED
 
 _TRANSPORTS = ("p2p", POOL)
 _KINDS = {  # (an activation?, transport) -> (send kind, receive kind)
@@ -196,11 +196,12 @@ def _assemble(
     Just in time, a transposed region with ``order="prefix"`` hands its forwards on as the
     public Mpipe code does: in one block after every rank's prefix of forwards (outputs,
     then inputs for a recomputed backward, each by microbatch), and the feature gradients of
-    an owner backward in one block after the first stage's last compute."""
+    an owner backward in one block after the first stage's last compute (``order="phased"``:
+    after its last compute of the pipeline, before the region's backward phase)."""
     # rank -> slot (the number of computes before it) -> (sort key, action)
     slots: dict[int, dict[int, list]] = {rank: defaultdict(list) for rank in timeline}
-    prefixed = {r.name for g in placement.groups if getattr(g.skeleton, "order", None) == PREFIX
-                for r in g.regions}
+    orders = {r.name: getattr(g.skeleton, "order", None) for g in placement.groups for r in g.regions}
+    prefixed = {name for name, order in orders.items() if order in AHEAD}
     prefix = {rank: next((i for i, t in enumerate(timed) if t.action.kind is not Kind.FORWARD
                           or t.action.region not in prefixed), len(timed))
               for rank, timed in timeline.items()}
@@ -211,7 +212,9 @@ def _assemble(
             send_slot, recv_slot = prefix[tr.sender], prefix[tr.receiver]
             send_order = recv_order = (-1, tr.send.key.kind is BoundaryKind.INPUT, tr.send.microbatch)
         elif not in_one_order and tr.recv.kind is Kind.RECV_GRAD and tr.recv.region in prefixed:
-            send_slot, recv_slot = len(timeline[tr.sender]), tr.before
+            send_slot = (_pipeline_end(timeline[tr.sender], tr.recv.region)
+                         if orders[tr.recv.region] == PHASED else len(timeline[tr.sender]))
+            recv_slot = tr.before
             send_order, recv_order = (2, tr.send.microbatch), (1, seq)
         elif not in_one_order:
             send_slot, recv_slot = tr.after, tr.before
@@ -236,6 +239,12 @@ def _assemble(
         programs[rank] = program
     _add_collectives(programs, placement)
     return programs
+
+
+def _pipeline_end(timed: list[Timed], region: str) -> int:
+    """The slot after a rank's last compute that is not of ``region`` (a phased transposed
+    region's backwards follow it)."""
+    return next((i + 1 for i in range(len(timed) - 1, -1, -1) if timed[i].action.region != region), 0)
 
 
 def _add_collectives(programs: dict[int, list[Action]], placement: Placement) -> None:

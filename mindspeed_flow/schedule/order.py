@@ -6,8 +6,9 @@ transposed ViT on the ranks of the LLM pipeline) they are merged by a list sched
 nominal durations: every rank starts, among the next steps of its orders whose inputs are
 done, the one that can start first (ties: the visit nearer the loss, which is on the
 critical path).  Each order stays as its skeleton wrote it; only the interleaving is chosen.
-A transposed region with ``order="prefix"`` is not interleaved by readiness: its rank's
-order is fixed as the public Mpipe code fixes it (:func:`_prefixed`).
+A transposed region with ``order="prefix"`` or ``"phased"`` is not interleaved by
+readiness: its rank's order is fixed as the public Mpipe code (prefix) or the three-phase
+co-located step (phased) fixes it (:func:`_prefixed`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable, NamedTuple, Sequence
 from .actions import Action, Kind
 from .errors import ScheduleError
 from .placement import Group, Placement, Visit
-from .skeletons import PREFIX, SHARDED, replicated_orders
+from .skeletons import AHEAD, PHASED, SHARDED, replicated_orders
 
 # Nominal seconds of one compute action at one visit.
 Duration = Callable[[Action, Visit], float]
@@ -49,7 +50,7 @@ def streams(placement: Placement, num_microbatches: int) -> Streams:
     """Per rank, the compute orders the skeletons prescribe for the groups running on it."""
     orders: dict[int, list[list[Action]]] = {r: [] for r in range(placement.num_ranks)}
     waits: dict[Action, Action] = {}
-    prefixes: dict[int, tuple[list[list[Action]], list[list[Action]], Visit]] = {}
+    prefixes: dict[int, tuple[list[list[Action]], list[list[Action]], Visit, bool]] = {}
     for group in placement.groups:
         n = len(group.ranks)
         sharded = group.layout == SHARDED
@@ -72,8 +73,8 @@ def streams(placement: Placement, num_microbatches: int) -> Streams:
                  for phase, chunk, m in order]
                 for order in steps
             ]
-            if getattr(group.skeleton, "order", None) == PREFIX:
-                prefixes[rank] = (*expanded, feeder)
+            if getattr(group.skeleton, "order", None) in AHEAD:
+                prefixes[rank] = (*expanded, feeder, group.skeleton.order == PHASED)
                 continue
             orders[rank] += [[a for step in order for a in step] for order in expanded]
             window = None if sharded else group.skeleton.max_in_flight
@@ -82,8 +83,8 @@ def streams(placement: Placement, num_microbatches: int) -> Streams:
                 forwards, backwards = expanded
                 for k in range(window, len(forwards)):
                     waits[forwards[k][0]] = backwards[k - window][-1]
-    for rank, (forwards, backwards, feeder) in prefixes.items():
-        orders[rank] = [_prefixed(forwards, orders[rank], backwards, feeder)]
+    for rank, (forwards, backwards, feeder, phased) in prefixes.items():
+        orders[rank] = [_prefixed(forwards, orders[rank], backwards, feeder, phased)]
     return Streams(orders, waits)
 
 
@@ -100,16 +101,19 @@ def _prefixed(
     host: list[list[Action]],
     backwards: list[list[Action]],
     feeder: Visit,
+    phased: bool = False,
 ) -> list[Action]:
     """A transposed region's ``order="prefix"`` on one rank, as the public Mpipe code runs
     it: every forward of the region first, then the host pipeline's order unchanged, each
     backward of the region right after the feeder's backward that yields its gradient when
-    that runs here (the first stage), the others at the end in microbatch order."""
+    that runs here (the first stage), the others at the end in microbatch order.
+    ``phased`` (``order="phased"``): every backward of the region at the end, the first
+    stage's too (the third phase of the co-located step)."""
     pending = {step[0].microbatch: step for step in backwards if step}
     combined = [a for step in forwards for a in step]
     for a in (a for order in host for a in order):
         combined.append(a)
-        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and (a.region, a.stage) == (
+        if not phased and a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and (a.region, a.stage) == (
                 feeder.region, feeder.stage) and a.microbatch in pending:
             combined += pending.pop(a.microbatch)
     return combined + [a for m in sorted(pending) for a in pending[m]]

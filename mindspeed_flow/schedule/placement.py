@@ -16,7 +16,7 @@ from .errors import ScheduleError
 from .keys import BoundaryKey, BoundaryKind
 from .regions import Region, backward_kinds
 from .seams import P2P, seam_rule
-from .skeletons import PREFIX, RECOMPUTE, SHARDED, TRANSPOSED, Skeleton
+from .skeletons import AHEAD, RECOMPUTE, SHARDED, TRANSPOSED, Skeleton
 
 
 @dataclass(frozen=True)
@@ -141,16 +141,16 @@ class Placement:
 
 
 def _check_transpose_options(groups: list[Group]) -> None:
-    """``order="prefix"`` runs a transposed region ahead of the pipeline it feeds, and
+    """``order="prefix"`` (and ``"phased"``) runs a transposed region ahead of the pipeline it feeds, and
     ``backward="recompute"`` moves its backward to that pipeline's first stage, which
     recomputes from the model's input: the region must come right before the pipeline it
     runs on, and to recompute, be the model's first region, alone in its segment."""
     for i, group in enumerate(groups):
-        prefix = getattr(group.skeleton, "order", None) == PREFIX
+        prefix = getattr(group.skeleton, "order", None) in AHEAD
         if group.layout != TRANSPOSED or not (prefix or group.recomputes):
             continue
         name = group.regions[0].name
-        said = "order='prefix'" if prefix else "backward='recompute'"
+        said = f"order={group.skeleton.order!r}" if prefix else "backward='recompute'"
         if i + 1 >= len(groups) or groups[i + 1].layout != SHARDED or groups[i + 1].ranks != group.ranks:
             raise ScheduleError(
                 f"transposed region {name!r}: {said} needs the sharded pipeline it runs on "

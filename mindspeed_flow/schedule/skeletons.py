@@ -176,6 +176,9 @@ class _Replicated:
 
 READY = "ready"
 PREFIX = "prefix"
+PHASED = "phased"
+# Orders that run every forward of a transposed region before its host pipeline starts.
+AHEAD = (PREFIX, PHASED)
 OWNER = "owner"
 RECOMPUTE = "recompute"
 
@@ -191,6 +194,12 @@ class Transpose(_Replicated):
             ``"prefix"``: the order of the public Mpipe code (``ScheduleMPipeTranspose``):
             every rank first runs the forwards of all its microbatches, then hands them on
             in one block of sends; the pipeline's steps follow unchanged.
+            ``"phased"``: the three-phase co-located schedule of MindSpeed-MM's
+            ``--hetero-parallel`` and Megatron MIMO's co-located step: the forwards of the
+            step first (as ``"prefix"``), then the pipeline on the (detached) outputs, then,
+            once the pipeline's first stage has run its last step and handed every feature
+            gradient back in one block, each rank's backwards of the region.  The baseline
+            the other orders are measured against.
         backward: where a trainable region's backward runs.  ``"owner"`` (default): on the
             rank that ran the forward, which keeps the activations, gets the feature
             gradient back after the pipeline's first stage and all-reduces the weight
@@ -207,15 +216,20 @@ class Transpose(_Replicated):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.order not in (READY, PREFIX):
-            raise ScheduleError(f"Transpose: order must be {READY!r} or {PREFIX!r}, got {self.order!r}")
+        if self.order not in (READY, *AHEAD):
+            raise ScheduleError(
+                f"Transpose: order must be one of {(READY, *AHEAD)}, got {self.order!r}")
         if self.backward not in (OWNER, RECOMPUTE):
             raise ScheduleError(
                 f"Transpose: backward must be {OWNER!r} or {RECOMPUTE!r}, got {self.backward!r}")
-        if self.order == PREFIX and self.max_in_flight is not None:
+        if self.order in AHEAD and self.max_in_flight is not None:
             raise ScheduleError(
-                "Transpose: order='prefix' runs every forward before the pipeline starts; "
+                f"Transpose: order={self.order!r} runs every forward before the pipeline starts; "
                 "max_in_flight cannot bound it")
+        if self.order == PHASED and self.backward == RECOMPUTE:
+            raise ScheduleError(
+                "Transpose: order='phased' runs each owner's backwards after the pipeline, and "
+                "with backward='recompute' owners run none")
         if self.backward == RECOMPUTE and self.max_in_flight is not None:
             raise ScheduleError(
                 "Transpose: max_in_flight bounds the activations an owner keeps for its "

@@ -54,12 +54,12 @@ def test_simulate_prints_a_table_and_writes_charts(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == f"tiny ({config})"
-    assert lines[1].split()[:3] == ["schedule", "layout", "ranks"]
+    assert lines[1].split()[:5] == ["schedule", "layout", "pp", "mbs", "ranks"]
     rows = {line.split()[0]: line.split() for line in lines[3:7]}
     assert set(rows) == {"megatron", "disttrain", "transpose", "flow"}
     assert rows["megatron"][-2] == "1.00x"  # speedup over the first row; the last: vs disttrain
     assert rows["disttrain"][-1] == "1.00x"
-    assert rows["flow"][2:4] == ["3", "5"]  # 3 ranks, 2 + 2 + 1 devices
+    assert rows["flow"][2:6] == ["2", "1", "3", "5"]  # PP 2, 1 pack per microbatch, 3 ranks, 2 + 2 + 1 devices
     charts = sorted(p.name for p in (tmp_path / "charts" / "tiny").iterdir())
     assert charts == ["disttrain.png", "flow.png", "megatron.png", "transpose.png"]
 

@@ -132,7 +132,7 @@ def test_validate_holds_recompute_plans_to_their_placement():
 
 
 def test_options_refuse_what_they_cannot_do():
-    with pytest.raises(ScheduleError, match="order must be 'ready' or 'prefix'"):
+    with pytest.raises(ScheduleError, match=r"order must be one of \('ready', 'prefix', 'phased'\)"):
         Transpose(order="zigzag")
     with pytest.raises(ScheduleError, match="backward must be 'owner' or 'recompute'"):
         Transpose(backward="stage0")
