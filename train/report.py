@@ -255,7 +255,7 @@ def timeline_gantt(record: RunRecord, path: Path, *, span: float | None = None) 
         hatch = _AHEAD_HATCH if iv.ahead and iv.kind in COMPUTE_KINDS else _HATCH.get(iv.kind)
         bars.append(Bar(iv.rank, iv.start, iv.end, colour[iv.region], _ALPHA[iv.kind], hatch,
                         text if iv.kind in COMPUTE_KINDS else "", **shape))
-    drawn = {(iv.region, iv.kind) for iv in record.timeline}
+    drawn = {(iv.region, iv.kind) for iv in record.timeline if not (iv.ahead and iv.kind in COMPUTE_KINDS)}
     keys = [Key(f"{region} {_LABEL[kind]}", colour[region], _ALPHA[kind], _HATCH.get(kind))
             for region in REGIONS for kind in KINDS if (region, kind) in drawn]
     keys += [Key(f"{region} {_LABEL[kind]}, next step's data (running ahead)", colour[region], _ALPHA[kind],
