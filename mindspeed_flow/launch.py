@@ -37,18 +37,17 @@ def start(argv: Sequence[str]) -> bool:
     """The plugin's activation, as the ``.pth`` hook and the launcher run it: torch's stores
     kept on loopback first (torchrun's agent runs the hook too, before its store), then the
     config tree resolved from ``argv`` over ``MINDSPEED_FLOW_FLAGS`` and installed with the
-    registry.  Flags the tree refuses (:class:`~mindspeed_flow.config.FlagError`) print the
+    registry.  Flags the tree or the activation (features the script cannot run) refuses (:class:`~mindspeed_flow.config.FlagError`) print the
     one refusal line; the caller ends the process (``False``)."""
     from mindspeed_flow.config import FlagError, FlowConfig
     from mindspeed_flow.patches import activate
 
     keep_stores_on_loopback()
     try:
-        config = FlowConfig.from_argv(argv)
+        activate(config=FlowConfig.from_argv(argv))
     except FlagError as error:
         print(refuse(error), file=sys.stderr, flush=True)
         return False
-    activate(config=config)
     return True
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
+from mindspeed_flow.adapters.mindspeed_mm.transformers_path import fit_to_entry
 from mindspeed_flow.activation import current_registry, enable_features, install_config, install_registry
 from mindspeed_flow.config import FlowConfig
 from mindspeed_flow.patching import Patch, PatchRegistry
@@ -40,11 +41,14 @@ def activate(argv: Sequence[str] | None = None, environ: Mapping[str, str] | Non
     resolved), install it and the registry (built once), and enable the features it selects.
 
     Flags that are refused raise :class:`~mindspeed_flow.config.FlagError` before anything is
-    installed.  Nothing upstream is imported here: patches of modules not imported yet wait for them.
+    installed (also features the entry script cannot run, asked for by name:
+    :func:`~mindspeed_flow.adapters.mindspeed_mm.transformers_path.fit_to_entry`).  Nothing upstream is imported here: patches of modules not imported yet wait for them.
     """
+    environ = os.environ if environ is None else environ
     if config is None:
-        config = FlowConfig.from_argv(sys.argv[1:] if argv is None else argv,
-                                      os.environ if environ is None else environ)
+        config = FlowConfig.from_argv(sys.argv[1:] if argv is None else argv, environ)
+    # pretrain_transformers.py (MindSpeed-MM's TransformersModel path) runs only some features.
+    config = fit_to_entry(config, sys.argv, environ)
     registry = current_registry()
     if registry is None:
         registry = build_registry()

@@ -33,7 +33,7 @@ def cross_check(config: FlowConfig, namespace: argparse.Namespace, where: str = 
     (a parser that never saw them) has nothing to check.  Raises :class:`FlagError` otherwise."""
     if not hasattr(namespace, MASTER_DEST):
         return config
-    seen = resolve(namespace, config.environment)
+    seen = resolve(namespace, config.environment).without(config.withheld)
     if seen == config:
         return config
     ours, theirs = config_items(config), config_items(seen)

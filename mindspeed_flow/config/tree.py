@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .errors import FlagError
 from .flags import FEATURE_NAMES, FEATURES, MASTER_DEST, MASTER_FLAG, env_flags, parse_flow_flags
@@ -63,6 +63,8 @@ class FlowConfig:
     system: SystemOptions = field(default_factory=SystemOptions)
     notes: tuple[str, ...] = field(default=(), compare=False)
     environment: tuple[str, ...] = field(default=(), compare=False)
+    # Features the flags turned on that the job's entry cannot run (:meth:`without`).
+    withheld: frozenset[str] = field(default_factory=frozenset)
 
     def enabled(self, feature: str) -> bool:
         if feature not in FEATURE_NAMES:
@@ -84,6 +86,17 @@ class FlowConfig:
     def from_argv(cls, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> "FlowConfig":
         """Resolve a command line (any upstream flags may be in it) over the environment's flags."""
         return resolve(parse_flow_flags(argv), env_flags(environ), os.environ if environ is None else environ)
+
+    def without(self, features: Iterable[str], notes: Sequence[str] = (),
+                environment: Sequence[str] | None = None) -> "FlowConfig":
+        """This tree with ``features`` off and recorded as withheld (an entry script they cannot
+        act on: the flags asked for them, the job runs without them and ``notes`` say why);
+        ``environment``: the flags a later namespace is checked over (default: this tree's)."""
+        gone = frozenset(features) & self.features
+        pool = PoolOptions(None) if "pool" in gone else self.pool
+        return replace(self, features=self.features - gone, pool=pool, withheld=self.withheld | gone,
+                       notes=(*self.notes, *notes),
+                       environment=self.environment if environment is None else tuple(environment))
 
     def describe(self) -> str:
         on = [f for f in FEATURE_NAMES if f in self.features]

@@ -10,7 +10,17 @@ What is asserted:
 - upstream as is finishes with every iteration's loss logged and finite, consumed samples logged
   == the samples the model was fed (tags read back from ``input_ids``), no sample fed twice, and
   every attention call (ViT and LLM) on the varlen TND path of the recipe's
-  ``flash_attention_2``.
+  ``flash_attention_2``;
+- ``--use-flowtrain`` by each route (on the command line after the YAML through the ``.pth`` hook,
+  in ``MINDSPEED_FLOW_FLAGS``, through ``-m mindspeed_flow.launch``) runs the 8 iterations with
+  the features that act on this path (recipes, system), feeds upstream's samples and gives
+  upstream's losses bit for bit, and its feature log names every feature it turned off and why
+  (``adapters/mindspeed_mm/transformers_path.py``); before, the command-line route stopped at
+  start-up (upstream's YAML reader drops the flags: Megatron's namespace disagreed with the plugin's)
+  and the environment route crashed in step 1 (the plugin's packs cut at 14-pixel patches);
+- ``--flow-packing`` / ``--flow-schedule`` asked for by name: refused at start-up, naming each and why;
+- ``use_flowtrain: true`` in the YAML's ``gpt_args`` is not a route: the plugin is not active when
+  upstream parses the rebuilt command line, and Megatron refuses the unknown flag.
 """
 
 from __future__ import annotations
@@ -18,13 +28,24 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
+
+from mindspeed_flow.adapters.mindspeed_mm.transformers_path import NOT_ON_THIS_PATH
 from realjob_run import RealRun
 from realjob_transformers import TransformersJob
 
 ITERS = 8
+FLOW = ("--use-flowtrain",)
 JOBS = {
     "q3_up": TransformersJob(iters=ITERS),
+    "q3_flow_cli": TransformersJob(iters=ITERS, plugin=FLOW),
+    "q3_flow_env": TransformersJob(iters=ITERS, env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),)),
+    "q3_flow_module": TransformersJob(iters=ITERS, plugin=FLOW, launch="module"),
+    "q3_refused": TransformersJob(iters=ITERS, plugin=("--use-flowtrain", "--flow-packing", "--flow-schedule")),
+    "q3_yaml_flag": TransformersJob(iters=ITERS, yaml_patch=(("gpt_args.use_flowtrain", True),)),
 }
+# --use-flowtrain turns these off on this path (the allocator is off without a plan anyway).
+TURNED_OFF = sorted(set(NOT_ON_THIS_PATH) - {"allocator"})
 
 
 def run(real_jobs, name: str) -> RealRun:
@@ -57,3 +78,36 @@ def test_upstream_as_is_trains(real_jobs):
     # every attention call, the ViT's and the LLM's, went through the varlen TND kernel
     calls = run_.kernel_attention
     assert calls and all(c["layout"] == "TND" and c["actual_seq_qlen"] for c in calls)
+
+
+@pytest.mark.parametrize("name", ["q3_flow_cli", "q3_flow_env", "q3_flow_module"])
+def test_flowtrain_runs_what_acts_here_and_names_what_it_turned_off(real_jobs, name):
+    ours, upstream = run(real_jobs, name), run(real_jobs, "q3_up")
+    assert_finished(ours)
+    assert_consumed_is_fed(ours)
+    # packing off: MindSpeed-MM's own data path feeds upstream's samples; nothing else changes the math
+    assert ours.fed == upstream.fed
+    assert ours.exact_losses == upstream.exact_losses
+    features = [line for line in ours.output.splitlines() if "=> mindspeed-flow: recipes, system; " in line]
+    assert len(features) == 1, ours.output[-3000:]
+    for feature in TURNED_OFF:
+        assert f"{feature} off on pretrain_transformers.py (on under --use-flowtrain): " \
+               f"{NOT_ON_THIS_PATH[feature]}" in features[0]
+
+
+def test_packing_and_schedule_asked_for_by_name_are_refused_at_start_up(real_jobs):
+    refused = real_jobs.run("q3_refused", JOBS["q3_refused"], check=False)
+    assert refused.returncode != 0 and not refused.losses
+    lines = [line for line in refused.output.splitlines() if "mindspeed-flow: refusing to start: " in line]
+    assert lines, refused.output[-3000:]
+    for feature in ("packing", "schedule"):
+        assert f"{feature} ({NOT_ON_THIS_PATH[feature]})" in lines[0]
+    assert "Traceback" not in refused.output.split("mindspeed-flow: refusing to start: ")[0]
+
+
+def test_use_flowtrain_in_the_yaml_is_not_a_route(real_jobs):
+    """The YAML reader writes ``--use-flowtrain`` into the rebuilt command line after the plugin's
+    activation point: the plugin never starts, and Megatron refuses the flag (nothing silent)."""
+    run_ = real_jobs.run("q3_yaml_flag", JOBS["q3_yaml_flag"], check=False)
+    assert run_.returncode != 0 and not run_.losses
+    assert "error: unrecognized arguments: --use-flowtrain" in run_.output

@@ -25,6 +25,8 @@ Shims (CPU / torch 2.13 / numpy 2 only; none changes what the job computes beyon
 - ``megatron.core.dist_checkpointing.strategies.filesystem_async._write_item``: passes
   ``serialization_format=TORCH_SAVE`` (torch 2.13's ``_write_item`` requires it; core_v0.12.1
   does not pass it).  ``numpy.product`` = ``numpy.prod`` (removed in numpy 2).
+- ``mindspeed_mm.models.transformers.base_model``'s ``DeviceMesh`` / ``init_device_mesh``: FSDP2's
+  mesh on ``"cpu"`` where the module hard-codes ``"npu"`` (``pretrain_transformers.py`` with FSDP2).
 - torch's rendezvous stores (torchrun's agent store, ``env://`` / ``tcp://``) listen on their
   loopback host only (``mindspeed_flow.loopback.keep_stores_on_loopback``, as the plugin's
   activation does; torch binds them on every interface), so upstream runs without the plugin
@@ -175,6 +177,30 @@ def _shim_bf16_gemm() -> None:
     Bf16GemmInFp32().__enter__()  # for the life of the process (thread-local: the main thread's)
     _say("shim: bf16 matrix products on CPU computed in fp32, rounded to bf16 (torch's CPU bf16 GEMM: the "
          "same arithmetic, 4-15x slower without bf16 instructions)")
+
+
+def _shim_fsdp2_mesh(module) -> None:
+    """``base_model``'s FSDP2 device mesh: the device type it hard-codes (``"npu"``) -> ``"cpu"``."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch_npu._device import to_cpu_device
+
+    class CpuDeviceMesh:
+        """``DeviceMesh(device_type, ...)`` / ``DeviceMesh.from_group(group, device_type, ...)`` on the CPU."""
+
+        def __new__(cls, device_type, *args, **kwargs):
+            return DeviceMesh(to_cpu_device(device_type), *args, **kwargs)
+
+        @staticmethod
+        def from_group(group, device_type, *args, **kwargs):
+            return DeviceMesh.from_group(group, to_cpu_device(device_type), *args, **kwargs)
+
+    def init_cpu_device_mesh(device_type, *args, **kwargs):
+        return init_device_mesh(to_cpu_device(device_type), *args, **kwargs)
+
+    module.DeviceMesh = CpuDeviceMesh
+    module.init_device_mesh = init_cpu_device_mesh
+    _say("shim: mindspeed_mm.models.transformers.base_model DeviceMesh / init_device_mesh: device 'npu' -> 'cpu' "
+         "(FSDP2's mesh device is hard-coded; on GPUs it would be 'cuda')")
 
 
 def _shim_torch_npu(module) -> None:
@@ -413,38 +439,37 @@ def _observe_fusion_attention(module) -> None:
     _say("observer: torch_npu.npu_fusion_attention (calls recorded)")
 
 
-def _observe_vlm(module) -> None:
+def _after_init(cls, watch) -> None:
+    """``watch(instance)`` right after each ``cls.__init__``."""
     import functools
 
-    cls = module.VLMModel
     init = cls.__init__
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.register_forward_pre_hook(_vlm_pre_hook, with_kwargs=True)
-        _emulate(self)
-        for sub in self.modules():
-            if "DotProductAttention" in type(sub).__name__ and "text_decoder" in _path_of(self, sub):
-                sub.register_forward_pre_hook(_attention_pre_hook, with_kwargs=True)
+        watch(self)
 
     cls.__init__ = __init__
+
+
+def _watch_vlm(vlm) -> None:
+    vlm.register_forward_pre_hook(_vlm_pre_hook, with_kwargs=True)
+    _emulate(vlm)
+    for sub in vlm.modules():
+        if "DotProductAttention" in type(sub).__name__ and "text_decoder" in _path_of(vlm, sub):
+            sub.register_forward_pre_hook(_attention_pre_hook, with_kwargs=True)
+
+
+def _observe_vlm(module) -> None:
+    _after_init(module.VLMModel, _watch_vlm)
     _say("observer: VLMModel batches and the LLM's core-attention calls (instance forward pre-hooks)")
 
 
 def _observe_transformers_model(module) -> None:
     """``pretrain_transformers.py``'s model: its batches, as ``VLMModel``'s (no Megatron core attention)."""
-    import functools
-
-    cls = module.TransformersModel
-    init = cls.__init__
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.register_forward_pre_hook(_vlm_pre_hook, with_kwargs=True)
-
-    cls.__init__ = __init__
+    _after_init(module.TransformersModel, lambda model: model.register_forward_pre_hook(_vlm_pre_hook,
+                                                                                           with_kwargs=True))
     _say("observer: TransformersModel batches (instance forward pre-hook)")
 
 
@@ -534,6 +559,7 @@ if OBSERVE:
         "numpy": [_shim_numpy],
         "mindspeed_mm.models.vlm_model": [_observe_vlm],
         "mindspeed_mm.models.transformers_model": [_observe_transformers_model],
+        "mindspeed_mm.models.transformers.base_model": [_shim_fsdp2_mesh],
         "mindspeed_mm.training": [_observe_train_step],
         "torch": [lambda module: _shim_tensor_type(), lambda module: _shim_bf16_gemm()],
     }
