@@ -164,7 +164,8 @@ def load_run(job: RealJob, workdir: Path) -> Optional[RealRun]:
 def describe(run: RealRun) -> str:
     name = run.workdir.name
     standins = run.stood_in
-    flags = " ".join(run.job.plugin) or "none (upstream as is)"
+    in_env = dict(run.job.env).get("MINDSPEED_FLOW_FLAGS")
+    flags = " ".join(run.job.plugin) or (f"MINDSPEED_FLOW_FLAGS={in_env!r}" if in_env else "none (upstream as is)")
     lines = [f"[real job] {name}: pp={run.job.pp} tp={run.job.tp} dp={run.job.dp} plugin: {flags}; "
              f"launch {run.job.launch}; rc {run.returncode}; {run.wall_s:.0f} s wall, {run.cpu_s:.0f} s CPU; "
              f"{len(run.losses)} iterations logged",

@@ -28,6 +28,7 @@ import realjob_qwen3vl_assets
 from realjob import RUN_TIMEOUT_S, Assets, make_assets, _set_path
 
 RECIPE = Path("examples") / "qwen3vl" / "qwen3vl_full_sft_8B.yaml"
+FSDP2_CONFIG = Path("examples") / "qwen3vl" / "fsdp2_config.yaml"
 READ_YAML = Path("mindspeed_mm") / "configs" / "read_yaml_config.py"
 
 
@@ -43,10 +44,11 @@ class TransformersJob:
     plugin: tuple[str, ...] = ()  # command-line flags after the YAML; () = upstream as is
     launch: str = "pth"  # "pth": torchrun pretrain_transformers.py ...; "module": -m mindspeed_flow.launch
     ckpt_format: str = "torch"
+    fsdp2: bool = False  # FSDP2 (the recipe's examples/qwen3vl/fsdp2_config.yaml) instead of Megatron's DDP
     samples: int = 48
     lr: float = 1e-4
     yaml_patch: tuple = ()  # ((dotted.yaml.path, value), ...) applied to the YAML last
-    env: tuple = ()  # ((NAME, value), ...) for the run's environment
+    extra_env: tuple = ()  # ((NAME, value), ...) for the run's environment
     timeout_s: int = RUN_TIMEOUT_S
     pp: int = 1  # what the shared report and readers ask of every job
     tp: int = 1
@@ -54,6 +56,12 @@ class TransformersJob:
     @property
     def world(self) -> int:
         return self.dp
+
+    @property
+    def env(self) -> tuple:
+        """The run's environment on top of the harness's: FSDP2 refuses CUDA_DEVICE_MAX_CONNECTIONS=1
+        (the recipe's script sets 2)."""
+        return ((("CUDA_DEVICE_MAX_CONNECTIONS", "2"),) if self.fsdp2 else ()) + self.extra_env
 
     @property
     def assets_name(self) -> str:
@@ -82,6 +90,10 @@ class TransformersJob:
             "seq_length": self.seq_length, "num_workers": 0, "eval_interval": 10 * self.iters, "eval_iters": 1,
             "distributed_timeout_minutes": 4,
         })
+        if self.fsdp2:
+            fsdp2 = workdir / "fsdp2_config.yaml"
+            fsdp2.write_text((sources.mindspeed_mm / FSDP2_CONFIG).read_text())
+            gpt.update({"use_torch_fsdp2": True, "fsdp2_config_path": str(fsdp2)})
         data = config["data"]["dataset_param"]
         data["preprocess_parameters"].update({
             "model_name_or_path": str(assets.processor), "use_fast_tokenizer": False,

@@ -19,6 +19,10 @@ What is asserted:
   start-up (upstream's YAML reader drops the flags: Megatron's namespace disagreed with the plugin's)
   and the environment route crashed in step 1 (the plugin's packs cut at 14-pixel patches);
 - ``--flow-packing`` / ``--flow-schedule`` asked for by name: refused at start-up, naming each and why;
+- FSDP2 on 2 gloo ranks (the recipe's ``fsdp2_config.yaml``, ``torch_dcp``), upstream as is and with
+  ``MINDSPEED_FLOW_FLAGS=--use-flowtrain`` (issue 25's crash): 8 iterations, each iteration feeds the
+  samples the 1-rank DDP run fed, losses within bf16 noise of it; the plugin's run gives upstream's
+  FSDP2 losses bit for bit;
 - ``use_flowtrain: true`` in the YAML's ``gpt_args`` is not a route: the plugin is not active when
   upstream parses the rebuilt command line, and Megatron refuses the unknown flag.
 """
@@ -33,16 +37,20 @@ import pytest
 from mindspeed_flow.adapters.mindspeed_mm.transformers_path import NOT_ON_THIS_PATH
 from realjob_run import RealRun
 from realjob_transformers import TransformersJob
+# the pretrain_vlm.py job's: 8 iterations; finished with finite losses logged exactly; bf16 noise between runs
+from test_real_job import BF16_RTOL, ITERS, assert_finished
 
-ITERS = 8
 FLOW = ("--use-flowtrain",)
 JOBS = {
     "q3_up": TransformersJob(iters=ITERS),
     "q3_flow_cli": TransformersJob(iters=ITERS, plugin=FLOW),
-    "q3_flow_env": TransformersJob(iters=ITERS, env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),)),
+    "q3_flow_env": TransformersJob(iters=ITERS, extra_env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),)),
     "q3_flow_module": TransformersJob(iters=ITERS, plugin=FLOW, launch="module"),
     "q3_refused": TransformersJob(iters=ITERS, plugin=("--use-flowtrain", "--flow-packing", "--flow-schedule")),
     "q3_yaml_flag": TransformersJob(iters=ITERS, yaml_patch=(("gpt_args.use_flowtrain", True),)),
+    "q3_up_fsdp2": TransformersJob(iters=ITERS, dp=2, fsdp2=True, ckpt_format="torch_dcp"),
+    "q3_flow_fsdp2": TransformersJob(iters=ITERS, dp=2, fsdp2=True, ckpt_format="torch_dcp",
+                                     extra_env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),)),
 }
 # --use-flowtrain turns these off on this path (the allocator is off without a plan anyway).
 TURNED_OFF = sorted(set(NOT_ON_THIS_PATH) - {"allocator"})
@@ -52,16 +60,16 @@ def run(real_jobs, name: str) -> RealRun:
     return real_jobs.run(name, JOBS[name])
 
 
-def assert_finished(run: RealRun) -> None:
-    assert run.returncode == 0
-    assert sorted(run.losses) == list(range(1, ITERS + 1)), run.output[-3000:]
-    assert all(math.isfinite(v) for v in run.losses.values())
-    for i, loss in run.exact_losses.items():  # the log prints what the step returned
-        assert float(f"{loss:.6E}") == run.losses[i]
+def per_iteration_samples(run_: RealRun) -> dict[int, list[int]]:
+    """{iteration: the sample tags fed in it over every DP rank, sorted}."""
+    out: dict[int, list[int]] = {}
+    for iteration, _, tags in run_.fed:
+        out.setdefault(iteration, []).extend(tags)
+    return {i: sorted(tags) for i, tags in out.items()}
 
 
 def assert_consumed_is_fed(run: RealRun) -> None:
-    fed = {iteration: tags for iteration, _, tags in run.fed}
+    fed = per_iteration_samples(run)
     previous = 0
     for iteration in sorted(run.consumed):
         assert run.consumed[iteration] - previous == len(fed[iteration]), (iteration, run.consumed, fed)
@@ -80,9 +88,10 @@ def test_upstream_as_is_trains(real_jobs):
     assert calls and all(c["layout"] == "TND" and c["actual_seq_qlen"] for c in calls)
 
 
-@pytest.mark.parametrize("name", ["q3_flow_cli", "q3_flow_env", "q3_flow_module"])
+@pytest.mark.parametrize("name", ["q3_flow_cli", "q3_flow_env", "q3_flow_module", "q3_flow_fsdp2"])
 def test_flowtrain_runs_what_acts_here_and_names_what_it_turned_off(real_jobs, name):
-    ours, upstream = run(real_jobs, name), run(real_jobs, "q3_up")
+    ours = run(real_jobs, name)
+    upstream = run(real_jobs, "q3_up_fsdp2" if ours.job.fsdp2 else "q3_up")
     assert_finished(ours)
     assert_consumed_is_fed(ours)
     # packing off: MindSpeed-MM's own data path feeds upstream's samples; nothing else changes the math
@@ -111,3 +120,14 @@ def test_use_flowtrain_in_the_yaml_is_not_a_route(real_jobs):
     run_ = real_jobs.run("q3_yaml_flag", JOBS["q3_yaml_flag"], check=False)
     assert run_.returncode != 0 and not run_.losses
     assert "error: unrecognized arguments: --use-flowtrain" in run_.output
+
+
+def test_fsdp2_on_two_ranks_trains_what_one_ddp_rank_trains(real_jobs):
+    fsdp2, ddp = run(real_jobs, "q3_up_fsdp2"), run(real_jobs, "q3_up")
+    assert_finished(fsdp2)
+    assert_consumed_is_fed(fsdp2)
+    assert {dp for _, dp, _ in fsdp2.fed} == {0, 1}
+    assert per_iteration_samples(fsdp2) == per_iteration_samples(ddp)
+    for i, loss in ddp.exact_losses.items():
+        assert math.isclose(fsdp2.exact_losses[i], loss, rel_tol=BF16_RTOL), (i, fsdp2.exact_losses, ddp.exact_losses)
+    assert any("base_model DeviceMesh / init_device_mesh: device 'npu' -> 'cpu'" in shim for shim in fsdp2.shims)

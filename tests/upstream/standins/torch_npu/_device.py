@@ -144,6 +144,8 @@ CPU_MEANINGS: dict[str, Any] = {
     "default_stream": _calling(_NoOpStream, 0),
     "stream": _calling(contextlib.nullcontext, 0),
     "device": _calling(contextlib.nullcontext, 0),
+    # FSDP2's activation checkpointing asks the device module which autocast dtypes it has.
+    "get_amp_supported_dtype": _returning([torch.float16, torch.bfloat16, torch.float32]),
 }
 declare(*(f"torch.cuda.{name} (-> cpu)" for name in CPU_MEANINGS))
 
