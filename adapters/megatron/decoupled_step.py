@@ -26,10 +26,13 @@ gradient all-reduce would race with that ``REDUCE``: ``--overlap-grad-reduce`` i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mindspeed_flow.schedule.regions import ENCODER_REGION
+
+log = logging.getLogger(__name__)
 
 DEFAULT_POOL_BYTES = 256 << 20
 
@@ -80,6 +83,8 @@ def _executor(layout: Any, groups: dict) -> Any:
         STATE.backend = pool_backend()
         STATE.pool_name = job_pool_name()
         STATE.pool = open_slice_pool(STATE.backend, layout, groups, STATE.pool_name, DEFAULT_POOL_BYTES)
+        if rank == 0:
+            log.info("mindspeed-flow pool: %s pools named %s-b<slice> open", STATE.backend, STATE.pool_name)
         if rank == 0 or STATE.pool is not None:  # any survivor of a dying rank removes the pools
             remove_at_exit(STATE.backend, STATE.pool_name)
         ranks = layout.executor_ranks(rank)

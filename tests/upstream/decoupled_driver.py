@@ -60,6 +60,16 @@ def optimizer_grad_norm(model) -> float:
     return float(optimizer.get_grad_norm())
 
 
+def log_pool_names() -> None:
+    """The decoupled step's log (rank 0 names the pools it opens) on this run's output, as
+    ``pretrain_vlm.py``'s logging shows it, so the fault test can check those pools are gone."""
+    import logging
+
+    logger = logging.getLogger("mindspeed_flow.adapters.megatron.decoupled_step")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(logging.StreamHandler(sys.stdout))
+
+
 def main() -> None:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.enums import ModelType
@@ -70,6 +80,7 @@ def main() -> None:
 
     from mindspeed_flow.adapters.megatron import roles
 
+    log_pool_names()
     layout = decoupled_layout(driver.JOB["decoupled"])
     roles.configure(layout)
     driver.initialise()
