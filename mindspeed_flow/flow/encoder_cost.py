@@ -10,7 +10,7 @@ launches).  The LLM's cost of the same samples is a different function of differ
 (:class:`~mindspeed_flow.packing.CostModel`), which is why the encoder's batches and the
 backbone's microbatches are grouped separately (:mod:`.grouping`).  The coefficients are
 fitted to measured ``(batch, seconds)`` pairs by the packer's non-negative least squares
-(:func:`mindspeed_flow.packing.nnls.nnls`, as :meth:`CostModel.fit` does), so a noisy fit can
+(:func:`mindspeed_flow.packing.cost_model.fit_nonnegative`, which :meth:`CostModel.fit` uses too), so a noisy fit can
 never make a large image look cheap.
 """
 
@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..packing.nnls import nnls
+from ..packing.cost_model import fit_nonnegative
 from .errors import SampleError
 from .meta import SampleMeta
 
@@ -48,13 +48,9 @@ class EncoderCost:
     @classmethod
     def fit(cls, observations: Iterable[tuple[Sequence[SampleMeta], float]]) -> "EncoderCost":
         """Fit the coefficients to measured ``(batch, seconds)`` pairs (at least 3)."""
-        rows, seconds = [], []
-        for batch, t in observations:
-            rows.append(features(batch))
-            seconds.append(float(t))
-        if len(rows) < len(TERMS):
-            raise SampleError(f"EncoderCost.fit: need at least {len(TERMS)} observations, got {len(rows)}")
-        return cls(*(float(c) for c in nnls(np.array(rows), np.array(seconds))))
+        return cls(*fit_nonnegative(
+            observations, features, len(TERMS),
+            too_few=lambda got: SampleError(f"EncoderCost.fit: need at least {len(TERMS)} observations, got {got}")))
 
 
 def features(samples: Iterable[SampleMeta]) -> list[float]:

@@ -15,13 +15,14 @@ the patches of one image): ``encoder_linear * p + encoder_quadratic * p^2``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
 from .nnls import nnls
 
 Observation = tuple[Sequence[int], float]  # (segment lengths of one pack, seconds)
+Measured = TypeVar("Measured")  # what one observation measured: a pack's lengths, an encoder batch
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,31 @@ def _features(lengths: Sequence[int], with_constant: bool) -> list[float]:
 
 
 def _fit_terms(observations: Iterable[tuple[Sequence[int], float]], with_constant: bool) -> tuple[float, ...]:
-    rows, seconds = [], []
-    for lengths, t in observations:
-        rows.append(_features(lengths, with_constant))
-        seconds.append(float(t))
     needed = 3 if with_constant else 2
+    return fit_nonnegative(
+        observations, lambda lengths: _features(lengths, with_constant), needed,
+        too_few=lambda got: ValueError(f"need at least {needed} observations to fit, got {got}"))
+
+
+def fit_nonnegative(
+    observations: Iterable[tuple[Measured, float]],
+    features: Callable[[Measured], Sequence[float]],
+    needed: int,
+    too_few: Callable[[int], Exception],
+) -> tuple[float, ...]:
+    """Non-negative least-squares coefficients of a cost linear in ``features``.
+
+    ``observations``: ``(what was measured, seconds)`` pairs; ``features(what)`` is its row
+    of terms.  Fewer than ``needed`` observations raise ``too_few(count)``, so each cost
+    model keeps its own error class and message.  Shared by :meth:`CostModel.fit` and the
+    flow's encoder cost (:meth:`mindspeed_flow.flow.EncoderCost.fit`).
+    """
+    rows, seconds = [], []
+    for measured, t in observations:
+        rows.append(list(features(measured)))
+        seconds.append(float(t))
     if len(rows) < needed:
-        raise ValueError(f"need at least {needed} observations to fit, got {len(rows)}")
+        raise too_few(len(rows))
     return tuple(float(c) for c in nnls(np.array(rows), np.array(seconds)))
 
 
