@@ -4,14 +4,17 @@ encoder's batches.
 FlowTrain packs *after* encoding: the backbone's microbatches are made by the LLM's cost and
 the encoder's batches by the encoder's, so neither side inherits the other's grouping.
 
-- **LLM microbatches**: best-fit packing of the samples' LLM token counts into packs of
-  ``capacity`` tokens (:func:`mindspeed_flow.packing.pack`), dealt over the data-parallel
-  replicas and ordered for the pipeline by the LLM's cost (:func:`mindspeed_flow.packing.dispatch`:
-  snake deal, swap repair, zig-zag heavy/light order when ``pp > 1``).  Repacking alone makes
-  as few, as full microbatches as it can, and fewer microbatches widen the pipeline's
-  bubbles; ``microbatches=`` asks for the job's count instead, filled by cost (heaviest sample
-  first into the cheapest microbatch with room).  A pack count that does not divide over the
-  replicas is balanced up to the next multiple the same way.
+- **LLM microbatches**: as many as best-fit packing of the samples' LLM token counts into
+  packs of ``capacity`` tokens needs (:func:`mindspeed_flow.packing.pack`; rounded up to a
+  multiple of the replicas), or the job's count (``microbatches=``: repacking alone makes as
+  few, as full microbatches as it can, which widens the pipeline's bubbles).  They are
+  filled by the LLM's *cost*, not its tokens (heaviest sample first into the cheapest
+  microbatch with room; best-fit's token packs are kept only when their busiest replica
+  costs less), then dealt over the data-parallel replicas and ordered for the pipeline by
+  that cost (:func:`mindspeed_flow.packing.dispatch`: snake deal, swap repair, zig-zag
+  heavy/light order when ``pp > 1``).  Give ``llm_cost`` the model's fitted
+  :class:`~mindspeed_flow.packing.CostModel` (``scripts/calibrate_cost_model.py``): with its
+  ``sum l^2`` term, equal token counts are not equal work.
 - **Encoder batches**: the samples with images, in the order the backbone needs them (the
   first microbatch of every replica, then the second, ...), cut whenever the next sample would
   take the batch's encoder cost (:class:`.EncoderCost`) over ``encoder_budget``, each batch to
@@ -146,10 +149,8 @@ def group_step(
     lengths = [s.llm_tokens for s in samples]
     packs = [list(p) for p in pack(lengths, capacity)]
     count = microbatches or -(-len(packs) // dp) * dp
-    if count != len(packs):
-        packs = _fill(samples, count, capacity, llm_cost)
-    costs = [llm_cost.cost([lengths[i] for i in p]) for p in packs]
-    per_replica = dispatch(costs, dp, pp)
+    packs, costs, per_replica = _balanced(samples, packs if count == len(packs) else None, count, capacity,
+                                          llm_cost, dp, pp)
     needed = [(per_replica[d][k], d) for k in range(count // dp) for d in range(dp)]
     llm_groups = tuple(tuple(samples[i].sample_id for i in packs[p]) for p, _ in needed)
     batches, batch_replica = _encoder_batches(
@@ -174,6 +175,35 @@ def _check_samples(samples: Sequence[SampleMeta], capacity: int) -> int:
             raise GroupingError(f"group_step: sample {s.sample_id} has {s.llm_tokens} LLM tokens, more than a "
                                 f"microbatch's capacity of {capacity}")
     return step
+
+
+def _balanced(
+    samples: Sequence[SampleMeta], packed: list[list[int]] | None, count: int, capacity: int,
+    llm_cost: CostModel, dp: int, pp: int,
+) -> tuple[list[list[int]], list[float], list[list[int]]]:
+    """``count`` microbatches dealt over the replicas, balanced by the LLM's cost.
+
+    Best-fit packing (``packed``, when it made ``count`` packs) fills microbatches by
+    tokens, and equal tokens are not equal work: a pack holding one long sample costs far
+    more than one of many short samples (attention's ``sum l^2``).  So the microbatches are
+    also filled by cost (:func:`_fill`), and the candidate whose busiest replica costs least
+    is kept (then the one whose dearest microbatch, which the pipeline's ramp waits on,
+    costs least; best-fit's on ties).  Returns the microbatches, their costs and
+    :func:`~mindspeed_flow.packing.dispatch`'s deal."""
+    candidates = [] if packed is None else [packed]
+    try:
+        candidates.append(_fill(samples, count, capacity, llm_cost))
+    except GroupingError:
+        if not candidates:  # best-fit made another count: only the fill can make this one
+            raise
+    best = None
+    for packs in candidates:
+        costs = [llm_cost.cost([samples[i].llm_tokens for i in p]) for p in packs]
+        per_replica = dispatch(costs, dp, pp)
+        key = (max(sum(costs[p] for p in mine) for mine in per_replica), max(costs))
+        if best is None or key < best[0]:
+            best = (key, packs, costs, per_replica)
+    return best[1], best[2], best[3]
 
 
 def _fill(samples: Sequence[SampleMeta], count: int, capacity: int, llm_cost: CostModel) -> list[list[int]]:

@@ -170,3 +170,26 @@ def test_pool_keys_and_metadata_round_trip():
         SampleMeta(4, 0, 80, 90)
     with pytest.raises(SampleError, match="every image needs >= 1 patch"):
         SampleMeta(4, 0, 80, 10, (0,))
+
+
+def test_microbatches_balance_the_llms_cost_where_token_counts_are_equal_work():
+    """One long sample and many short ones: best-fit packing by tokens makes two packs of
+    2000 and 1000 tokens, and with attention's ``sum l^2`` term the long sample's pack costs
+    nearly three times the other.  The grouping fills its microbatches by the cost model
+    instead, so the two data-parallel replicas' costs end within one short sample's cost."""
+    quadratic = CostModel(linear=1e-4, quadratic=1e-7)
+    samples = [SampleMeta(0, 0, 1000)] + [SampleMeta(1 + i, 0, 100) for i in range(20)]
+    lengths = [s.llm_tokens for s in samples]
+
+    def replica_costs(groups):
+        return sorted(quadratic.cost([lengths[i] for i in g]) for g in groups)
+
+    by_tokens = replica_costs(pack(lengths, 2048))  # the token count's grouping, one pack per replica
+    assert len(by_tokens) == 2 and by_tokens[1] > 2 * by_tokens[0]
+    g = grouped(samples, capacity=2048, llm_cost=quadratic, dp=2, pp=1)
+    assert len(g.microbatches) == 2 and g.microbatch_replica == (0, 1)
+    by_cost = replica_costs(g.microbatches)
+    one_short = quadratic.cost([100])
+    assert by_cost[1] - by_cost[0] <= one_short
+    assert by_cost[1] < 0.8 * by_tokens[1]
+    g.check([s.sample_id for s in samples])
