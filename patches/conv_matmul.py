@@ -1,10 +1,12 @@
 """Feature ``conv_matmul`` (``--flow-conv-matmul``): ViT patch embeddings as a matmul.
 
-The stride == kernel convolutions of Qwen2-VL's ``PatchEmbed`` (Conv3d) and CLIP's
-``conv1`` (Conv2d) are replaced right after construction by
+The stride == kernel convolutions of Qwen2-VL's ``PatchEmbed`` (Conv3d), CLIP's ``conv1``
+(Conv2d) and, on ``pretrain_transformers.py``'s path, the Hugging Face Qwen3-VL ViT's
+``Qwen3VLVisionPatchEmbed.proj`` (Conv3d) are replaced right after construction by
 :class:`~mindspeed_flow.attention.patch_embed.PatchEmbedMatmul`, which keeps the conv's
-parameters in the conv's shape: checkpoints (model and optimizer, ``torch`` and
-``torch_dist``) are the same with and without the flag.  ``mindspeed-flow
+parameters in the conv's shape: checkpoints (model and optimizer, ``torch``, ``torch_dist`` and
+``torch_dcp``, and the Hugging Face safetensors the Qwen3-VL path loads and saves) are the
+same with and without the flag.  ``mindspeed-flow
 convert-patch-embed`` converts the flat-layout checkpoints of earlier versions.
 """
 
@@ -32,5 +34,13 @@ PATCHES = [
         checked=CHECKED_MM,
         optional=True,
         description="CLIP ViT conv1 Conv2d -> matmul",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.models.transformers.qwen3vl.modules:Qwen3VLVisionPatchEmbed.__init__",
+        wrapper=mindspeed_mm.swap_conv_after_init("proj"),
+        params="self, config",
+        checked=CHECKED_MM,
+        description="Qwen3-VL (pretrain_transformers.py, HF ViT) Qwen3VLVisionPatchEmbed.proj Conv3d -> matmul",
     ),
 ]

@@ -46,9 +46,6 @@ NOT_ON_THIS_PATH = {
         "its targets (Megatron's DotProductAttention, VLMModel / MMGPTModel's dense-mask builders, MindSpeed-MM's "
         "Megatron ViTs) are not on this path; the Hugging Face model's attention follows the YAML's "
         "attn_implementation (the recipe's flash_attention_2 with TND layout is already varlen)"),
-    "conv_matmul": (
-        "its targets (MindSpeed-MM's Megatron PatchEmbed, CLIPViT) are not on this path; the Hugging Face ViT's "
-        "patch embedding (Qwen3VLVisionPatchEmbed) is not patched in this version"),
 }
 # Options that turn their feature on when given (mindspeed_flow.config.tree.resolve).
 IMPLYING_OPTIONS = {"--flow-pool-backend": "pool", "--flow-allocator-plan": "allocator",

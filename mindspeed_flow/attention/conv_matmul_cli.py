@@ -13,7 +13,12 @@ weights known to be patch embeddings (``patch_embed.proj.weight``) or named by `
 and names every other ``conv1.weight`` it leaves as it is.
 
 Handles ``torch.save`` files (Megatron's ``--ckpt-format torch``: ``model``, ``model0``,
-... dicts, or a bare state dict), walking nested dicts.  The optimizer state in the same file
+... dicts, or a bare state dict), walking nested dicts, and Hugging Face ``.safetensors``
+files (the checkpoints of ``pretrain_transformers.py``'s Qwen3-VL, whose ViT patch embedding is
+``model.visual.patch_embed.proj.weight``, ``[E, 3, 2, 16, 16]``; a sharded directory is
+converted one shard file at a time: its index names keys, not shapes).  A ``.safetensors``
+file keeps its metadata.  A Qwen3-VL HF directory needs no conversion for
+``--flow-conv-matmul``: the plugin's patch embedding keeps the conv's shape.  The optimizer state in the same file
 (the ``optimizer`` entry: Adam's moments and the fp32 main copies of a non-distributed
 optimizer, which have their parameter's shape) is converted too: every tensor there whose
 shape is a converted weight's old shape, provided no other weight of the model has that
@@ -53,8 +58,8 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("input", type=Path, help="checkpoint file written by torch.save")
-    parser.add_argument("output", type=Path, help="where to write the converted checkpoint")
+    parser.add_argument("input", type=Path, help="checkpoint file written by torch.save, or a .safetensors file")
+    parser.add_argument("output", type=Path, help="where to write the converted checkpoint (in the format of the input)")
     parser.add_argument("--to", choices=("conv", "matmul"), required=True, help="target layout")
     parser.add_argument(
         "--key", action="append", default=None,
@@ -64,7 +69,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--in-and-kernel", type=_shape, default=None, metavar="C,K1[,K2[,K3]]",
-        help="input channels and kernel of the conv, e.g. 3,2,14,14 for Qwen2-VL "
+        help="input channels and kernel of the conv, e.g. 3,2,14,14 for Qwen2-VL, 3,2,16,16 for Qwen3-VL "
              "(required with --to conv: a flat weight does not say how to split)",
     )
     parser.add_argument(
@@ -98,8 +103,12 @@ def convert_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if args.output.exists() and not args.force:
         print(f"convert-patch-embed: {args.output} exists; pass --force to overwrite")
         return 2
+    metadata = None
     try:
-        checkpoint = torch.load(args.input, map_location="cpu", weights_only=not args.trust_checkpoint)
+        if _is_safetensors(args.input):
+            checkpoint, metadata = _load_safetensors(args.input)
+        else:
+            checkpoint = torch.load(args.input, map_location="cpu", weights_only=not args.trust_checkpoint)
     except pickle.UnpicklingError as err:
         print(f"convert-patch-embed: {args.input} holds objects beyond tensors ({err}); "
               "rerun with --trust-checkpoint if you trust it")
@@ -146,13 +155,30 @@ def convert_command(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
               f"{args.input} (already converted, or pass --key)")
         return 1
     optimizer_note = _convert_optimizer_state(checkpoint, model_part, reshaped)
-    torch.save(checkpoint, args.output)
+    if metadata is not None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in checkpoint.items()}, str(args.output), metadata=metadata)
+    else:
+        torch.save(checkpoint, args.output)
     print(f"converted {len(converted)} weight(s) to {args.to} layout -> {args.output}")
     for line in converted:
         print(f"  {line}")
     if optimizer_note:
         print(optimizer_note)
     return 0
+
+
+def _is_safetensors(path: Path) -> bool:
+    return path.suffix == ".safetensors"
+
+
+def _load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of a ``.safetensors`` file and its metadata (``{}`` when it has none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata() or {}
 
 
 def _is_optimizer_entry(key: Any) -> bool:

@@ -14,7 +14,8 @@ padding; tensor and sequence parallelism need the sequence divisible by TP x CP,
   it (causal attention never looks ahead) and it attends to no real token.
 - ``position_ids``: int64 ``[3, 1, T]`` M-RoPE ids, per sample as if it were alone (the
   padding too: ``0, 1, ...`` on all three axes, as a text-only sample).
-- ``pixel_values``: float32 ``[sum t*h*w, 1176]`` and ``image_grid_thw``: int64 ``[N, 3]``,
+- ``pixel_values``: float32 ``[sum t*h*w, C*T*P*P]`` (1176 for Qwen2-VL's 14-pixel patches;
+  the processor's geometry, :class:`.images.ImageGeometry`) and ``image_grid_thw``: int64 ``[N, 3]``,
   images in sample order.
 - ``sample_ids``: the samples' ids in pack order (``file:line``; ``file:line#k/n`` for
   chunk ``k`` of a sample split into ``n``).
@@ -28,7 +29,7 @@ import torch
 
 from .conversation import IGNORE
 from .decode import Sample
-from .images import normalize_joined
+from .images import QWEN2_VL, ImageGeometry, normalize_joined
 from .mrope import packed_position_ids
 
 TENSOR_KEYS = ("input_ids", "labels", "attention_mask", "cu_seqlens", "position_ids", "pixel_values",
@@ -53,9 +54,11 @@ def padded_length(tokens: int, multiple: int) -> int:
     return -(-tokens // multiple) * multiple
 
 
-def collate_pack(samples: Sequence[Sample], multiple: int = 1, pad_id: int = 0) -> dict[str, Any]:
+def collate_pack(samples: Sequence[Sample], multiple: int = 1, pad_id: int = 0,
+                 geometry: ImageGeometry = QWEN2_VL) -> dict[str, Any]:
     """One pack of ``samples`` in the batch contract (module docstring), padded at the end to a
-    multiple of ``multiple`` tokens with ``pad_id``."""
+    multiple of ``multiple`` tokens with ``pad_id``; pixels normalised with ``geometry``'s
+    mean/std (the processor's)."""
     if not samples:
         raise ValueError("a pack needs at least one sample")
     lengths = [len(s) for s in samples]
@@ -74,7 +77,7 @@ def collate_pack(samples: Sequence[Sample], multiple: int = 1, pad_id: int = 0) 
         "attention_mask": attention_mask,
         "cu_seqlens": starts.to(torch.int32),
         "position_ids": packed_position_ids(positions),
-        "pixel_values": normalize_joined([s.pixel_values for s in samples]),
+        "pixel_values": normalize_joined([s.pixel_values for s in samples], geometry),
         "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).reshape(-1, 3),
         "sample_ids": [s.sample_id for s in samples],
     }

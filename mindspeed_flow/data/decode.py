@@ -17,7 +17,7 @@ import torch
 
 from .conversation import DEFAULT_SYSTEM, check_conversation, placeholder_count, tokenize_conversation
 from .errors import BadConversation, BadImage, MalformedRecord
-from .images import MAX_PIXELS, MIN_PIXELS, image_tokens, load_image
+from .images import MAX_PIXELS, MIN_PIXELS, QWEN2_VL, ImageGeometry, load_image
 from .mrope import mrope_position_ids
 from .source import Corpus
 from .tokenizer import TextTokenizer
@@ -35,7 +35,7 @@ class Sample:
     input_ids: torch.Tensor  # int64 [L]
     labels: torch.Tensor  # int64 [L]
     position_ids: torch.Tensor  # int64 [3, L]
-    pixel_values: torch.Tensor  # uint8 [sum t*h*w, 1176]: images.normalize makes them float32
+    pixel_values: torch.Tensor  # uint8 [sum t*h*w, C*T*P*P]: images.normalize makes them float32
     image_grid_thw: torch.Tensor  # int64 [N, 3]
     chunk: int = 0  # which chunk of a split sample (0 when not split)
 
@@ -83,6 +83,7 @@ class Decoder:
     image_root: Path | None = None
     min_pixels: int = MIN_PIXELS
     max_pixels: int = MAX_PIXELS
+    geometry: ImageGeometry = QWEN2_VL  # the processor's patches and mean/std (its pixel bounds: the two above)
     _image_token_id: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,17 +108,18 @@ class Decoder:
             root = self.image_root if self.image_root is not None else self._shard_dir(index)
             pixels, grids = [], []
             for p in paths:
-                values, grid = load_image(str(self._image_path(root, p)), self.min_pixels, self.max_pixels)
+                values, grid = load_image(str(self._image_path(root, p)), self.min_pixels, self.max_pixels,
+                                          self.geometry)
                 pixels.append(values)
                 grids.append(grid)
         except MalformedRecord as e:
             return BadSample(index, place, "malformed_json", e.reason)  # the report names the place
         except (BadConversation, BadImage) as e:
             return BadSample(index, place, e.kind, str(e))
-        ids, labels = tokenize_conversation(messages, [image_tokens(g) for g in grids], self.tokenizer,
+        ids, labels = tokenize_conversation(messages, [self.geometry.tokens(g) for g in grids], self.tokenizer,
                                             system=record.get("system", DEFAULT_SYSTEM))
         input_ids = torch.tensor(ids, dtype=torch.int64)
-        needed = sum(image_tokens(g) for g in grids)
+        needed = sum(self.geometry.tokens(g) for g in grids)
         found = int((input_ids == self._image_token_id).sum())
         if found != needed:  # the text spelled out image tokens itself (e.g. a literal <|image_pad|>)
             return BadSample(index, place, "placeholder_mismatch",
@@ -125,9 +127,10 @@ class Decoder:
         grid_thw = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
         sp = self.tokenizer.special
         position_ids = mrope_position_ids(input_ids, grid_thw if len(grids) else None,
-                                          image_token_id=sp.image_pad, vision_start_token_id=sp.vision_start)
+                                          image_token_id=sp.image_pad, vision_start_token_id=sp.vision_start,
+                                          spatial_merge_size=self.geometry.merge)
         pixel_values = (torch.from_numpy(np.concatenate(pixels)) if pixels
-                        else torch.zeros(0, 1176, dtype=torch.uint8))
+                        else torch.zeros(0, self.geometry.row_size, dtype=torch.uint8))
         return Sample(index, place, input_ids, torch.tensor(labels, dtype=torch.int64), position_ids,
                       pixel_values, grid_thw)
 

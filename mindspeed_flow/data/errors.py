@@ -41,3 +41,9 @@ class ResumeMismatch(FlowError, ValueError):
     that differ from the saved ones (each named with both values), or held samples that no
     longer decode as they did.  Resuming anyway would yield other packs than the
     uninterrupted run, so the loader refuses instead."""
+
+
+class ProcessorConfigError(FlowError, ValueError):
+    """The job's image processor lacks a value the loader needs to cut images the way the
+    model wants them (patch, merge or temporal size, mean/std, pixel bounds): the message
+    names the processor's file and the key."""

@@ -52,7 +52,7 @@ from . import broadcast
 from .batch import collate_pack, real_tokens
 from .decode import BadSample, Decoder, Sample, from_wire, to_wire
 from .errors import ResumeMismatch
-from .images import MAX_PIXELS, MIN_PIXELS
+from .images import QWEN2_VL, ImageGeometry
 from .overlong import POLICIES, OverlongPolicy, fit
 from .sharding import check_rank
 from .source import Corpus
@@ -65,7 +65,7 @@ log = logging.getLogger("mindspeed_flow.data")
 STATE_FORMAT = 1
 # Settings that must match on resume (see the module docstring).
 RESUME_KEYS = ("dp_rank", "dp_size", "num_workers", "seed", "capacity", "window", "corpus_size", "shuffle",
-               "overlong", "min_pixels", "max_pixels", "records")
+               "overlong", "min_pixels", "max_pixels", "records", "image_geometry")
 Key = tuple[int, int]  # (record index, chunk)
 # Packs joined at once on threads of the decoding process.  The join (normalising a pack's
 # pixels into a fresh float32 buffer) is most of this process's work and releases the GIL,
@@ -100,8 +100,13 @@ class FlowDataLoader:
             the batches from it, tensors on ``device`` (see the module docstring: per step
             through :class:`.handoff.StepBatches`, or per batch when iterated directly).
         image_root: directory that image paths are relative to (default: each shard's).
-        min_pixels, max_pixels: dynamic-resolution bounds (default: the processor's if it
-            has them, else 3136 and 262144).
+        min_pixels, max_pixels: dynamic-resolution bounds (default: the processor's; without
+            an image processor 3136 and 262144).
+        processor_file: where the processor's configuration lies, named in the error raised
+            when its image processor lacks a value the images need (patch, merge or temporal
+            size, mean/std, pixel bounds: :meth:`.images.ImageGeometry.from_processor`).
+            Without an image processor (a bare tokenizer, the demo one) images are cut as
+            Qwen2-VL's (:data:`.images.QWEN2_VL`).
         records: the global record indices this loader reads (a subset of the corpus, e.g.
             the training or the held-out part of a validation split); ``None``: all.  The
             epoch order and the DP shards are drawn over the subset.
@@ -138,6 +143,7 @@ class FlowDataLoader:
         prefetch_factor: int = 8,
         records: Optional[Sequence[int]] = None,
         pad_multiple: int = 1,
+        processor_file: str = "preprocessor_config.json",
     ) -> None:
         if overlong not in POLICIES:
             raise ValueError(f"overlong must be one of {POLICIES}, got {overlong!r}")
@@ -170,10 +176,13 @@ class FlowDataLoader:
                              f"DP ranks: DP rank {dp_rank} would have no sample to read")
         tokenizer = load_tokenizer(tokenizer_or_processor, corpus.root)
         image_processor = getattr(tokenizer_or_processor, "image_processor", None)
+        geometry = QWEN2_VL if image_processor is None else ImageGeometry.from_processor(image_processor,
+                                                                                         processor_file)
+        self.geometry = geometry
         self._decoder = Decoder(
             corpus, tokenizer, Path(image_root) if image_root is not None else None,
-            min_pixels if min_pixels is not None else getattr(image_processor, "min_pixels", MIN_PIXELS),
-            max_pixels if max_pixels is not None else getattr(image_processor, "max_pixels", MAX_PIXELS),
+            min_pixels if min_pixels is not None else geometry.min_pixels,
+            max_pixels if max_pixels is not None else geometry.max_pixels, geometry,
         )
         self._image_token_id = tokenizer.special.image_pad
         self._pad_id = tokenizer.special.pad
@@ -248,7 +257,7 @@ class FlowDataLoader:
         if isinstance(item, BadSample):
             self._bad(item.kind, item.index, item.sample_id, item.reason)
             return
-        pieces = fit(item, self.capacity, self.overlong, self._image_token_id)
+        pieces = fit(item, self.capacity, self.overlong, self._image_token_id, self.geometry.merge)
         if pieces is None:
             policy = "fail" if self.overlong == "error" else "skip"
             self._bad("overlong", item.index, item.sample_id,
@@ -287,7 +296,8 @@ class FlowDataLoader:
             while self._ready and len(self._joining) < JOIN_THREADS:
                 pack = self._ready.popleft()
                 samples = [self._held[k] for k in pack]
-                self._joining.append((pack, joiner.submit(collate_pack, samples, self.pad_multiple, self._pad_id)))
+                self._joining.append((pack, joiner.submit(collate_pack, samples, self.pad_multiple, self._pad_id,
+                                                                     self.geometry)))
             if not self._joining or not (final or self._ready or self._joining[0][1].done()):
                 return
             pack, joined = self._joining.popleft()
@@ -307,7 +317,8 @@ class FlowDataLoader:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers, "seed": self.seed,
                 "capacity": self.capacity, "window": self.window, "shuffle": self.shuffle, "overlong": self.overlong,
                 **({"corpus_size": len(self._decoder.corpus), "min_pixels": self._decoder.min_pixels,
-                    "max_pixels": self._decoder.max_pixels, "records": _records_digest(self._records)}
+                    "max_pixels": self._decoder.max_pixels, "records": _records_digest(self._records),
+                    "image_geometry": _geometry_key(self.geometry)}
                    if self.decoding else {})}
 
     def state_dict(self) -> dict[str, Any]:
@@ -357,7 +368,7 @@ class FlowDataLoader:
         for index in sorted({i for i, _ in keys}):
             sample = self._decoder(index)
             pieces = None if isinstance(sample, BadSample) else fit(sample, self.capacity, self.overlong,
-                                                                  self._image_token_id)
+                                                                  self._image_token_id, self.geometry.merge)
             if pieces is None:
                 raise ResumeMismatch(f"resume: sample {self._decoder.corpus.place(index)} was packed before the "
                                      f"checkpoint but cannot be decoded now (did its file change?)")
@@ -377,6 +388,16 @@ def _check_records(records: Sequence[int], corpus_size: int, source: Any) -> np.
     if np.unique(indices).size != indices.size:
         raise ValueError("records: an index appears more than once")
     return indices
+
+
+def _geometry_key(geometry: ImageGeometry) -> Optional[tuple]:
+    """The image geometry a state was saved with (patches, merge, mean/std change every held
+    sample's pixels and lengths); ``None`` for Qwen2-VL's default, so states saved before
+    the geometry was recorded still resume."""
+    def key(g: ImageGeometry) -> tuple:
+        return g.patch, g.merge, g.temporal_patch, g.mean, g.std
+
+    return None if key(geometry) == key(QWEN2_VL) else key(geometry)
 
 
 def _records_digest(records: Optional[np.ndarray]) -> Optional[str]:

@@ -79,7 +79,8 @@ def split_sample(sample: Sample, cuts: list[int], image_token_id: int, merge: in
     return chunks
 
 
-def fit(sample: Sample, capacity: int, policy: OverlongPolicy, image_token_id: int) -> list[Sample] | None:
+def fit(sample: Sample, capacity: int, policy: OverlongPolicy, image_token_id: int,
+        merge: int = 2) -> list[Sample] | None:
     """The pieces of ``sample`` to pack under ``policy``; ``[sample]`` when it fits, None
     when the policy (or an image run over ``capacity``) leaves nothing to pack.
     ``"error"`` is the caller's to raise (it names the place)."""
@@ -90,5 +91,5 @@ def fit(sample: Sample, capacity: int, policy: OverlongPolicy, image_token_id: i
     cuts = cut_points(len(sample), image_runs(sample, image_token_id), capacity)
     if cuts is None:
         return None
-    chunks = split_sample(sample, cuts, image_token_id)
+    chunks = split_sample(sample, cuts, image_token_id, merge)
     return chunks if policy == "split" else chunks[:1]
