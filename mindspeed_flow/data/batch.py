@@ -99,3 +99,15 @@ def completed_samples(sample_ids: Sequence[str]) -> int:
             k, n = chunk.split("/")
             done += int(k) == int(n) - 1
     return done
+
+
+def segment_lengths(batch: dict[str, Any]) -> torch.Tensor:
+    """int64 ``[n]``: the tokens of each segment of a packed batch, in pack order (its samples,
+    then the padding segment when the pack is padded): ``cu_seqlens``' differences."""
+    return batch["cu_seqlens"].diff().to(torch.int64)
+
+
+def holds_split_chunk(sample_ids: Sequence[str]) -> bool:
+    """Whether a pack holds a chunk of a sample split over packs (``file:line#k/n``): such a
+    chunk's positions continue its sample's, which its own tokens cannot tell."""
+    return any("#" in sample_id for sample_id in sample_ids)
