@@ -33,6 +33,8 @@ from mindspeed_flow.train.stamps import MegatronStamps
 from mindspeed_flow.train.trainer import LocalStep, Trainer, even_split, replica_share
 
 if TYPE_CHECKING:
+    import torch
+
     from mindspeed_flow.train.config import TrainConfig
     from mindspeed_flow.train.feed import StepData
     from mindspeed_flow.train.launch import DistEnv
@@ -41,7 +43,9 @@ if TYPE_CHECKING:
 def colocated_features(pp: int, switches: RunFeatures) -> tuple[str, ...]:
     """What a co-located run does, in the report's words."""
     return ("no pipeline (megatron-core)" if pp == 1 else "1F1B (megatron-core)",
-            "no ViT (text only)" if switches.text_only else "ViT in stage 0",
+            "no ViT (text only)" if switches.text_only else
+            "three-phase: ViT forward over the step on every rank, LLM on detached embeddings, ViT backward"
+            if switches.three_phase else "ViT in stage 0",
             "packs as microbatches" if switches.packing else "padded microbatches",
             "varlen attention" if switches.varlen else
             "dense block-diagonal masks" if switches.packing else "dense masks",
@@ -58,7 +62,7 @@ class BaselineTrainer(Trainer):
                  switches: RunFeatures = RunFeatures()) -> None:
         from megatron.core import parallel_state
 
-        from mindspeed_flow.train.model import StageModule, build_gpt_stage, enable_fused_attn, init_vision_encoder
+        from mindspeed_flow.train.model import StageModule, build_gpt_stage, enable_fused_attn
 
         if switches.decoupled:
             raise ValueError("BaselineTrainer runs co-located layouts: a decoupled run is FlowTrainer's")
@@ -77,32 +81,52 @@ class BaselineTrainer(Trainer):
         varlen, text_only = self.switches.varlen, self.switches.text_only
         self.fused_attn = enable_fused_attn() if varlen else None
         gpt = build_gpt_stage(cfg.model, layers, self.stage, packed=varlen)
-        vit = (init_vision_encoder(cfg.model, conv_matmul=self.switches.conv_matmul, varlen=varlen)
-               if self.stage == 0 and not text_only else None)
-        self.model = StageModule(gpt, vit=vit, text_only=text_only).to(env.device)
-        self.modules = {"stage": self.model}
-        self.role = f"pp{self.stage} dp{self.replica}" + (" (ViT + LLM)" if vit is not None else " (LLM)")
-        where = "no ViT (text only)" if text_only else "ViT in stage 0"
-        self.layout = f"PP={pp} x DP={self.replicas}, {where}, LLM layers {layers}"
-        self.features = colocated_features(pp, self.switches)
         self.stamps = MegatronStamps(env.rank, env.device)
         self.stamps.install()
-        if vit is not None:
-            self.stamps.watch_encoder(vit)
+        vit = self.stage_encoder() if self.stage == 0 and not text_only else None
+        self.model = StageModule(gpt, vit=vit, text_only=text_only).to(env.device)
+        self.modules = {"stage": self.model, **self.encoder_modules()}
+        self.role = f"pp{self.stage} dp{self.replica}" + self.role_suffix(vit is not None)
+        self.layout = f"PP={pp} x DP={self.replicas}, {self.encoder_place()}, LLM layers {layers}"
+        self.features = colocated_features(pp, self.switches)
         self.make_optimizer()
 
-    def microbatches(self, data: "StepData") -> list:
+    # ------------------------------------------------------------------ where the ViT runs (overridden
+    # by the three-phase run, whose ViT is a replica on every rank outside the pipeline)
+
+    def stage_encoder(self) -> "torch.nn.Module":
+        """What stage 0's :class:`StageModule` calls for the image embeddings: the ViT itself,
+        inside the stage (timed as region ``vit`` within the stage's forward and backward)."""
+        from mindspeed_flow.train.model import init_vision_encoder
+
+        vit = init_vision_encoder(self.cfg.model, conv_matmul=self.switches.conv_matmul, varlen=self.switches.varlen)
+        self.stamps.watch_encoder(vit)
+        return vit
+
+    def encoder_modules(self) -> dict[str, "torch.nn.Module"]:
+        """Modules this rank trains besides its stage (none: the ViT is inside stage 0)."""
+        return {}
+
+    def role_suffix(self, stage_calls_encoder: bool) -> str:
+        return " (ViT + LLM)" if stage_calls_encoder else " (LLM)"
+
+    def encoder_place(self) -> str:
+        return "no ViT (text only)" if self.switches.text_only else "ViT in stage 0"
+
+    def microbatches(self, data: "StepData", replica: "int | None" = None) -> list:
+        """Data-parallel replica ``replica``'s microbatches of the step (default: this rank's)."""
         from mindspeed_flow.train.batches import from_pack, padded_microbatches
 
+        replica = self.replica if replica is None else replica
         if self.switches.packing:
-            mine = replica_share(len(data.packs), self.replica, self.replicas)
+            mine = replica_share(len(data.packs), replica, self.replicas)
             attention = "varlen" if self.switches.varlen else "dense"
             return [from_pack(data.packs[i], data.loss_tokens, attention) for i in mine]
         # MindSpeed-MM's data parallelism: the step's samples in order, micro_batch_size per
         # microbatch, an even share of the microbatches per replica.
         padded = padded_microbatches(data.packs, self.cfg.data.micro_batch_size, data.loss_tokens,
                                      image_token_id=self.cfg.model.image_token_id)
-        return [padded[i] for i in replica_share(len(padded), self.replica, self.replicas)]
+        return [padded[i] for i in replica_share(len(padded), replica, self.replicas)]
 
     def forward_backward(self, data: "StepData") -> LocalStep:
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func

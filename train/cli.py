@@ -1,4 +1,4 @@
-"""``mindspeed-flow train CONFIG``: the main job (baseline, flowtrain, text-only upper bound,
+"""``mindspeed-flow train CONFIG``: the main job (baseline, baseline-thd, flowtrain, text-only upper bound,
 parity, resume check; ``--ablation``: every run of the ablation chain too).
 
 Only argument parsing lives here; the job and everything heavy is imported when the
@@ -26,7 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     runs.add_argument("--ablation", action="store_true",
                       help="every run: the ablation chain baseline -> packing -> varlen -> conv-matmul -> flowtrain "
                            "(one feature at a time), baseline-pp<N> (the configured best baseline) and the text-only "
-                           "upper bound (default: baseline, flowtrain, text-only)")
+                           "upper bound, the baseline-thd and three-phase baselines (default: baseline, baseline-thd, flowtrain, text-only)")
+    runs.add_argument("--search-baselines", action="store_true",
+                      help="search every co-located baseline's best configuration (baseline: PP x micro-batch size; "
+                           "baseline-thd, three-phase: PP) on the same samples, in one launch, beside flowtrain; "
+                           "the report compares flowtrain with each baseline at its best (baseline_search.json: the "
+                           "whole grid); no parity or resume phase")
     parser.add_argument("--parity", action="store_true",
                         help="only the parity run: both runs fed the same packs, losses asserted equal")
     parser.add_argument("--no-resume-check", action="store_true", help="skip the checkpoint/resume check")

@@ -60,15 +60,25 @@ class Phases:
     runs: tuple[str, ...] = DEFAULT_RUNS
     parity: bool = True
     resume: bool = True
+    search: bool = False  # --search-baselines: the baselines' grid (train/search.py) before the runs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Phases":
         if args.parity:
             return cls(runs=(), parity=True, resume=False)
+        if getattr(args, "search_baselines", False):
+            return cls(runs=(FLOWTRAIN,), parity=False, resume=False, search=True)
         if args.only:
             return cls(runs=(args.only,), parity=False,
                        resume=args.only == RESUME_RUN and not args.no_resume_check)
         return cls(runs=RUN_NAMES if args.ablation else DEFAULT_RUNS, parity=True, resume=not args.no_resume_check)
+
+    def specs(self, cfg: "TrainConfig") -> list["RunSpec"]:
+        """The runs this invocation trains, in order: the search grid (with
+        ``--search-baselines``), then the named runs in the catalogue's order."""
+        from mindspeed_flow.train.search import search_grid
+
+        return (search_grid(cfg) if self.search else []) + select(cfg, self.runs)
 
     def with_best_baseline(self, cfg: "TrainConfig") -> "Phases":
         """The best-configuration baseline too, when the config names one and every run
@@ -176,7 +186,7 @@ def rank_main(env: "DistEnv", emit: Callable, cfg: "TrainConfig", phases: Phases
     out: dict[str, RankRun] = {}
     checkpoint_at = cfg.resume_at if phases.resume else None
     runs = catalogue(cfg)
-    for spec in select(cfg, phases.runs):
+    for spec in phases.specs(cfg):
         out[spec.name] = _train(spec, env, emit, phase=spec.name, steps=cfg.steps,
                                 checkpoint_at=checkpoint_at if spec.name == RESUME_RUN else None)
     if phases.parity:
@@ -302,7 +312,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     phases = phases.with_best_baseline(cfg)
     print(f"mindspeed-flow train {args.config}: {cfg.layout.world_size} ranks, {cfg.steps} steps; phases: "
-          f"{', '.join(s.name for s in select(cfg, phases.runs)) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
+          f"{', '.join(s.name for s in phases.specs(cfg)) or '-'}{', parity' if phases.parity else ''}{', resume' if phases.resume else ''}",
           flush=True)
     progress = Progress()
     started, launched_at = time.perf_counter(), time.time()
@@ -332,17 +342,23 @@ def main(args: argparse.Namespace) -> int:
 def _report(cfg: "TrainConfig", phases: Phases, results: list[RankResult], noise: Any, timing: dict[str, float],
             config: dict) -> int:
     from mindspeed_flow.train.report import bought, format_table, write_report
+    from mindspeed_flow.train.search import best_of_search, family_of, search_json, search_lines
 
     world = cfg.layout.world_size
-    specs = select(cfg, phases.runs)
+    specs = phases.specs(cfg)
     records = [run_record(spec, [r.runs[spec.name] for r in results], world) for spec in specs]
-    parity = compare_parity(results) if phases.parity else None
-    resume, same_samples = compare_resume(results, cfg) if phases.resume else (None, True)
     out = Path(cfg.report_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if phases.search:  # each baseline family at its best configuration, under its own name
+        grid = [r for r in records if family_of(r.name) is not None]
+        print("\n".join(search_lines(grid)))
+        (out / "baseline_search.json").write_text(json.dumps(search_json(grid), indent=1) + "\n")
+        records = best_of_search(grid) + [r for r in records if family_of(r.name) is None]
+    parity = compare_parity(results) if phases.parity else None
+    resume, same_samples = compare_resume(results, cfg) if phases.resume else (None, True)
     if records:
         print(format_table(records))
-        if len(records) > 1 and not bought(records):
+        if len(records) > 1 and not bought(records) and not phases.search:
             print("what each feature buys, one at a time (the ablation chain baseline -> packing -> varlen -> "
                   "conv-matmul -> flowtrain): add --ablation")
     write_report(records, out, parity=parity, resume=resume)

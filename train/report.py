@@ -37,12 +37,14 @@ from mindspeed_flow.train.metrics import (
     RunRecord,
     throughput_ratio,
 )
-from mindspeed_flow.train.runs import FLOWTRAIN, TEXT_ONLY
+from mindspeed_flow.train.runs import FLOWTRAIN, TEXT_ONLY, is_baseline
 
 BASELINE = "baseline"
 RULES = ("rates over the measured steps (every step but the first, warm-up one); tokens are real "
          "(non-padding) tokens; x <baseline run> = samples/s over that baseline run's (baseline: the "
-         "MindSpeed-MM-style layout; baseline-ppN: the same baseline at PP=N, its best configuration); "
+         "MindSpeed-MM-style layout; baseline-ppN: the same baseline at PP=N, its best configuration; "
+         "baseline-thd: packed Megatron, THD attention without a dense mask, Conv->Matmul, ViT in stage 0, 1F1B; "
+         "three-phase: ViT forward over the step, LLM 1F1B on detached embeddings, ViT backward); "
          "bought = samples/s over the run before it in the ablation chain (baseline -> packing -> varlen -> "
          "conv-matmul -> flowtrain, one feature more each); of text-only = samples/s over the text-only run's "
          "(the same backbone on the same token sequences without the ViT: the upper bound); "
@@ -61,9 +63,10 @@ def _baseline(records: Sequence[RunRecord]) -> RunRecord | None:
 
 
 def _baselines(records: Sequence[RunRecord]) -> list[RunRecord]:
-    """Every baseline run, the MindSpeed-MM-style ``baseline`` first, then the others
-    (``baseline-pp<N>``: the same baseline in another layout), in run order."""
-    others = [r for r in records if r.name.startswith(BASELINE + "-")]
+    """Every baseline run, the MindSpeed-MM-style ``baseline`` first, then the others in run
+    order (``baseline-pp<N>``: the same baseline in another layout; ``baseline-thd``: packed
+    THD Megatron; ``three-phase``: the --hetero-parallel / MIMO schedule)."""
+    others = [r for r in records if is_baseline(r.name) and r.name != BASELINE]
     main = _baseline(records)
     return ([main] if main is not None else []) + others
 

@@ -10,6 +10,15 @@ nothing else (same samples, same initialisation, same optimizer, same ranks).
   decoupled layout over the pool).  Each run after the first records the run before it and
   the feature it adds, which is what the report's "bought" column divides by.
 - ``baseline-pp<N>`` (``layout.best_baseline_pp``): the baseline at its best pipeline size.
+- ``baseline-thd``: the strongest co-located baseline, Megatron as users can run it at its
+  best: packs as microbatches through megatron-core's THD ``packed_seq_params`` (no dense
+  mask; the ViT's varlen attention), the matmul patch embedding, the ViT in stage 0 and
+  Megatron's own 1F1B (the chain's ``conv-matmul`` switches, named as a baseline).
+- ``three-phase``: the co-located schedule of MindSpeed-MM's ``--hetero-parallel`` and
+  Megatron MIMO: the ViT forward over the whole step's images first (every rank a ViT
+  replica), then the LLM's 1F1B on the detached embeddings, then the ViT backward with the
+  embeddings' gradients (:mod:`mindspeed_flow.train.three_phase`); ``baseline-thd``'s data
+  path, so the two differ by the schedule alone.
 - ``text-only``: the upper bound, the same backbone on the same token sequences without the
   ViT (every image token is embedded as a text token), packed with varlen attention at
   PP=``layout.text_only_pp``.
@@ -28,6 +37,8 @@ if TYPE_CHECKING:
     from mindspeed_flow.train.config import TrainConfig
 
 BASELINE = "baseline"
+BASELINE_THD = "baseline-thd"
+THREE_PHASE = "three-phase"
 FLOWTRAIN = "flowtrain"
 TEXT_ONLY = "text-only"
 
@@ -44,6 +55,8 @@ class RunFeatures:
     Conv3d.  ``decoupled``: the allocator's decoupled layout over the pool (the FlowTrain
     trainer, which runs packing, varlen and Conv->Matmul always, so it needs them on).
     ``text_only``: no ViT; image tokens are embedded as text tokens (the upper bound).
+    ``three_phase``: the co-located three-phase schedule (ViT forward over the step, LLM
+    1F1B on detached embeddings, ViT backward) instead of the ViT inside stage 0's 1F1B.
     """
 
     packing: bool = False
@@ -51,6 +64,7 @@ class RunFeatures:
     conv_matmul: bool = False
     decoupled: bool = False
     text_only: bool = False
+    three_phase: bool = False
 
     def __post_init__(self) -> None:
         if self.varlen and not self.packing:
@@ -60,14 +74,20 @@ class RunFeatures:
                              "and Conv->Matmul: turn them on with decoupled")
         if self.decoupled and self.text_only:
             raise ValueError("RunFeatures: a text-only run has no encoder to decouple")
+        if self.three_phase and (self.decoupled or self.text_only):
+            raise ValueError("RunFeatures: the three-phase schedule runs a co-located ViT: not with decoupled or "
+                             "text_only")
 
     @property
     def kind(self) -> str:
         """The trainer that runs these switches (:func:`~mindspeed_flow.train.trainer.build_trainer`)."""
-        return FLOWTRAIN if self.decoupled else BASELINE
+        return FLOWTRAIN if self.decoupled else THREE_PHASE if self.three_phase else BASELINE
 
 
 FLOWTRAIN_FEATURES = RunFeatures(packing=True, varlen=True, conv_matmul=True, decoupled=True)
+# The co-located baselines at their best data path: packs, THD / varlen attention, Conv->Matmul.
+THD_FEATURES = RunFeatures(packing=True, varlen=True, conv_matmul=True)
+THREE_PHASE_FEATURES = RunFeatures(packing=True, varlen=True, conv_matmul=True, three_phase=True)
 
 
 @dataclass(frozen=True)
@@ -87,10 +107,17 @@ ABLATION = (
     ChainStep(FLOWTRAIN, "the allocator's decoupled layout", "decoupled"),
 )
 # What ``--only`` can pick (``baseline-pp<N>`` is the configured baseline's, run beside ``baseline``).
-RUN_NAMES = (BASELINE, *(s.name for s in ABLATION), TEXT_ONLY)
+RUN_NAMES = (BASELINE, BASELINE_THD, THREE_PHASE, *(s.name for s in ABLATION), TEXT_ONLY)
 # The runs of a plain ``mindspeed-flow train``; ``--ablation`` runs every run, ``baseline-pp<N>``
 # (when configured) included (docs/train.md: the default job's 3-minute budget on 2 shared cores).
-DEFAULT_RUNS = (BASELINE, FLOWTRAIN, TEXT_ONLY)
+DEFAULT_RUNS = (BASELINE, BASELINE_THD, FLOWTRAIN, TEXT_ONLY)
+
+
+def is_baseline(name: str) -> bool:
+    """Whether the run named ``name`` is a baseline the report gives every run's ratio
+    against: ``baseline``, its other configurations (``baseline-pp<N>``, ``baseline-thd``)
+    and the three-phase schedule."""
+    return name in (BASELINE, THREE_PHASE) or name.startswith(BASELINE + "-")
 
 
 @dataclass(frozen=True)
@@ -129,12 +156,15 @@ def text_only_run(cfg: "TrainConfig") -> RunSpec:
 
 def catalogue(cfg: "TrainConfig") -> dict[str, RunSpec]:
     """Every run this config can train, by name, in the order the job trains them: the
-    baseline, its best configuration (when configured), the rest of the chain, text-only."""
+    baseline, its best configuration (when configured), the THD and three-phase baselines,
+    the rest of the chain, text-only."""
     chain = ablation_chain(cfg)
     runs = {chain[0].name: chain[0]}
     best = cfg.best_baseline()
     if best is not None:
         runs[best[0]] = RunSpec(best[0], RunFeatures(), best[1])
+    runs[BASELINE_THD] = RunSpec(BASELINE_THD, THD_FEATURES, cfg)
+    runs[THREE_PHASE] = RunSpec(THREE_PHASE, THREE_PHASE_FEATURES, cfg)
     runs.update({spec.name: spec for spec in chain[1:]})
     runs[TEXT_ONLY] = text_only_run(cfg)
     return runs
@@ -146,5 +176,6 @@ def select(cfg: "TrainConfig", names: tuple[str, ...]) -> list[RunSpec]:
     return [spec for name, spec in catalogue(cfg).items() if name in names]
 
 
-__all__ = ["ABLATION", "BASELINE", "DEFAULT_RUNS", "FLOWTRAIN", "FLOWTRAIN_FEATURES", "RUN_NAMES", "TEXT_ONLY",
-           "ChainStep", "RunFeatures", "RunSpec", "ablation_chain", "catalogue", "select", "text_only_run"]
+__all__ = ["ABLATION", "BASELINE", "BASELINE_THD", "DEFAULT_RUNS", "FLOWTRAIN", "FLOWTRAIN_FEATURES", "RUN_NAMES",
+           "TEXT_ONLY", "THD_FEATURES", "THREE_PHASE", "THREE_PHASE_FEATURES", "ChainStep", "RunFeatures", "RunSpec",
+           "ablation_chain", "catalogue", "is_baseline", "select", "text_only_run"]

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from mindspeed_flow.train.launch import DistEnv
     from mindspeed_flow.train.runs import RunFeatures
 
-RUNS = ("baseline", "flowtrain")
+RUNS = ("baseline", "three-phase", "flowtrain")
 
 
 @dataclass(frozen=True)
@@ -262,8 +262,8 @@ def _copied(obj: Any) -> Any:
 
 def build_trainer(kind: str, cfg: "TrainConfig", env: "DistEnv", *, parity: bool = False,
                   switches: "RunFeatures | None" = None) -> Trainer:
-    """The ``kind`` run (``"baseline"``: co-located, or ``"flowtrain"``: decoupled, lockstep or
-    the flow with ``layout.flow``) on this
+    """The ``kind`` run (``"baseline"``: co-located, ``"three-phase"``: co-located with the
+    three-phase schedule, or ``"flowtrain"``: decoupled, lockstep or the flow with ``layout.flow``) on this
     rank with ``switches`` (default: that kind's own, the baseline's all off); collective:
     every rank calls it at the same point."""
     from mindspeed_flow.train.runs import FLOWTRAIN_FEATURES, RunFeatures
@@ -272,6 +272,10 @@ def build_trainer(kind: str, cfg: "TrainConfig", env: "DistEnv", *, parity: bool
         from mindspeed_flow.train.baseline import BaselineTrainer
 
         return BaselineTrainer(cfg, env, parity=parity, switches=switches or RunFeatures())
+    if kind == "three-phase":
+        from mindspeed_flow.train.three_phase import ThreePhaseTrainer
+
+        return ThreePhaseTrainer(cfg, env, parity=parity, **({"switches": switches} if switches else {}))
     if kind == "flowtrain":
         if switches not in (None, FLOWTRAIN_FEATURES):
             raise ValueError(f"the flowtrain trainer runs {FLOWTRAIN_FEATURES}, not {switches}")

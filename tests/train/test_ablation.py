@@ -19,6 +19,7 @@ from mindspeed_flow.train.runs import (
     RunFeatures,
     ablation_chain,
     catalogue,
+    is_baseline,
     select,
     text_only_run,
 )
@@ -51,7 +52,8 @@ def test_each_run_of_the_chain_adds_exactly_one_feature_to_the_run_before(cfg):
 def test_the_catalogue_keeps_the_best_baseline_and_the_text_only_bound_beside_the_chain(cfg):
     runs = catalogue(cfg)
     best_name, best_cfg = cfg.best_baseline()
-    assert list(runs) == ["baseline", best_name, "packing", "varlen", "conv-matmul", "flowtrain", "text-only"]
+    assert list(runs) == ["baseline", best_name, "baseline-thd", "three-phase", "packing", "varlen", "conv-matmul",
+                          "flowtrain", "text-only"]
     assert runs[best_name].features == RunFeatures() and runs[best_name].cfg == best_cfg
     text = runs["text-only"]
     assert text == text_only_run(cfg)
@@ -61,11 +63,30 @@ def test_the_catalogue_keeps_the_best_baseline_and_the_text_only_bound_beside_th
     assert dataclasses.replace(text.cfg, layout=cfg.layout) == cfg  # only its layout differs
 
 
+def test_the_thd_and_three_phase_baselines_are_named_baselines_beside_the_chain(cfg):
+    """``baseline-thd`` is the chain's ``conv-matmul`` run (packs, THD attention, Conv->Matmul,
+    ViT in stage 0, Megatron's 1F1B) under a baseline's name, outside the chain;
+    ``three-phase`` is the same data path with the three-phase schedule only, run by its own
+    trainer; both (and the configured best baseline) are baselines every run is compared
+    against, the chain's other runs are not."""
+    runs = catalogue(cfg)
+    chain = {spec.name: spec for spec in ablation_chain(cfg)}
+    thd, phased = runs["baseline-thd"], runs["three-phase"]
+    assert thd.features == chain["conv-matmul"].features and thd.kind == "baseline"
+    assert _switched(thd.features, phased.features) == {"three_phase"} and phased.kind == "three-phase"
+    assert thd.cfg == phased.cfg == cfg and thd.previous is phased.previous is None
+    assert [name for name in runs if is_baseline(name)] == ["baseline", cfg.best_baseline()[0], "baseline-thd",
+                                                            "three-phase"]
+
+
 @pytest.mark.parametrize("switches, message", [
     ({"varlen": True}, "varlen attention takes one packed row"),
     ({"packing": True, "varlen": True, "decoupled": True}, "always runs packing, varlen attention and Conv->Matmul"),
     ({"packing": True, "varlen": True, "conv_matmul": True, "decoupled": True, "text_only": True},
      "no encoder to decouple"),
+    ({"packing": True, "varlen": True, "conv_matmul": True, "decoupled": True, "three_phase": True},
+     "three-phase schedule runs a co-located ViT"),
+    ({"text_only": True, "three_phase": True}, "three-phase schedule runs a co-located ViT"),
 ])
 def test_switches_that_no_trainer_runs_are_refused(switches, message):
     with pytest.raises(ValueError, match=message):
@@ -83,7 +104,7 @@ def _phases(cfg, *argv: str) -> list[str]:
 
 
 def test_the_command_line_picks_the_default_runs_all_of_them_or_one(cfg):
-    assert _phases(cfg) == ["baseline", "flowtrain", "text-only"]
+    assert _phases(cfg) == ["baseline", "baseline-thd", "flowtrain", "text-only"]
     assert _phases(cfg, "--ablation") == list(catalogue(cfg))
     for name in RUN_NAMES:
         assert _phases(cfg, "--only", name) == [name]

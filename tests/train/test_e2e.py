@@ -92,6 +92,30 @@ def test_the_best_config_baseline_trains_the_same_steps_on_the_same_samples(job)
     assert f"x {name}" in job["output"] and (job["report"] / f"gantt_{name}.png").stat().st_size > 0
 
 
+def test_the_thd_and_three_phase_baselines_train_the_same_model_and_flowtrain_is_compared_with_each(job):
+    """``baseline-thd`` (packed THD Megatron, ViT in stage 0, 1F1B) and ``three-phase`` (ViT
+    forward over the step on every rank, LLM 1F1B on detached embeddings, ViT backward)
+    finish the same steps over the same samples, unpadded, to the baseline's losses (the
+    chain's tolerance), and the report gives flowtrain's ratio against each beside the
+    MindSpeed-MM-style one."""
+    runs, base = job["metrics"]["runs"], _steps(job, "baseline")
+    for name, feature in (("baseline-thd", "ViT in stage 0"), ("three-phase", "three-phase")):
+        steps = _steps(job, name)
+        assert [(s["step"], s["samples"], s["tokens"]) for s in steps] == [(s["step"], s["samples"], s["tokens"])
+                                                                         for s in base]
+        assert all(s["padded_tokens"] == s["tokens"] for s in steps)
+        assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in base], rel=1e-4)
+        features = runs[name]["record"]["features"]
+        assert "varlen attention" in features and "Conv->Matmul" in features
+        assert any(feature in f for f in features), features
+        flow = runs["flowtrain"]
+        assert flow["ratio_to"][name]["samples_per_s"] == pytest.approx(
+            flow["derived"]["samples_per_s"] / runs[name]["derived"]["samples_per_s"], rel=1e-9)
+        assert f"x {name}" in job["output"]
+    regions = {iv["region"] for iv in runs["three-phase"]["record"]["timeline"] if iv["rank"] == 3}
+    assert regions == {"vit", "llm"}  # a last-stage rank encodes too (a ViT replica on every rank)
+
+
 def _table_cell(output: str, run: str, column: str) -> str:
     """The terminal table's ``column`` of ``run``'s line (numbers are right-aligned under their header)."""
     lines = output.splitlines()

@@ -26,6 +26,7 @@ from mindspeed_flow.train.report import (
     bought,
     format_table,
     largest_gain,
+    metrics_json,
     read_records,
     timeline_gantt,
     write_report,
@@ -174,6 +175,23 @@ def test_table_and_report_give_the_ratio_against_both_baselines(runs, tmp_path):
     assert metrics["runs"]["flowtrain"]["ratio_to_baseline"] == ratio_to["baseline"]  # the named baseline's
     assert "gantt_baseline-pp1.png" in {p.name for p in out.iterdir()}
     assert table in (out / "summary.md").read_text()
+
+
+def test_the_thd_and_three_phase_baselines_get_a_ratio_column_each_and_chain_runs_do_not(runs):
+    # baseline-thd: measured steps of 1.25 s -> 3.2 samples/s (flowtrain 1.25x); three-phase: 1.6 s -> 2.5 (1.60x);
+    # the chain's varlen run (not a baseline) gets no column of its own
+    base, flow = runs
+    thd, phased = _run("baseline-thd", [5.0, 1.25, 1.25], padded=False), _run("three-phase", [5.0, 1.6, 1.6], padded=False)
+    varlen = _chain_step("varlen", [5.0, 1.5, 1.5], "baseline", "varlen attention")
+    table = format_table([base, thd, phased, varlen, flow])
+    header = table.splitlines()[0].split()
+    assert header[5:11] == ["x", "baseline", "x", "baseline-thd", "x", "three-phase"]
+    assert [c.strip() for c in _row(table, "flowtrain") if c.strip()][5:8] == ["2.00x", "1.25x", "1.60x"]
+    assert ("flowtrain: 2.00x baseline (baseline layout); 1.25x baseline-thd (baseline-thd layout); "
+            "1.60x three-phase (three-phase layout)") in table.splitlines()
+    metrics = metrics_json([base, thd, phased, varlen, flow])
+    assert set(metrics["runs"]["flowtrain"]["ratio_to"]) == {"baseline", "baseline-thd", "three-phase"}
+    assert metrics["runs"]["flowtrain"]["ratio_to"]["baseline-thd"]["samples_per_s"] == pytest.approx(1.25)
 
 
 def _chain_step(name: str, step_times: list[float], previous: str, adds: str) -> RunRecord:

@@ -1,5 +1,7 @@
-"""The main job's two runs on 4 gloo ranks: the baseline (PP=2 x DP=2, ViT in stage 0,
-megatron-core's own 1F1B) and FlowTrain (2 ViT replicas + a PP=2 GPT over the shm pool).
+"""The main job's runs on 4 gloo ranks: the baseline (PP=2 x DP=2, ViT in stage 0,
+megatron-core's own 1F1B), the three-phase baseline (a ViT replica on every rank encodes the
+step first, then the same PP=2 x DP=2 1F1B on detached embeddings, then the ViT backward)
+and FlowTrain (2 ViT replicas + a PP=2 GPT over the shm pool).
 
 Fed the same packs (parity mode) their step losses agree with each other and with one
 process training the whole VLM with one AdamW (dense masks, no schedule): the gradients
@@ -25,6 +27,7 @@ SAVE_AFTER = 2
 VOCAB = 64
 IMAGE_TOKEN = VOCAB - 1
 PACKS_PER_STEP = 4
+KINDS = ("baseline", "three-phase", "flowtrain")
 
 
 def _config():
@@ -119,6 +122,16 @@ def _named_grads(module) -> dict[str, torch.Tensor]:
     return {name: g.detach().reshape(-1).clone() for name, g in grads.items()}
 
 
+def _trainer_grads(trainer) -> dict[str, torch.Tensor]:
+    """:func:`_named_grads` of the rank's stage, and of its ViT replica when it has one
+    outside the stage (the three-phase run's)."""
+    grads = _named_grads(trainer.model)
+    vit = getattr(trainer, "vit", None)
+    if vit is not None:
+        grads.update({f"vit.{n}": p.grad.detach().reshape(-1).clone() for n, p in vit.named_parameters()})
+    return grads
+
+
 def _through_file(state: dict) -> dict:
     """``state`` after ``torch.save`` and ``torch.load``, as the job's checkpoint files hold it."""
     import io
@@ -153,10 +166,10 @@ def _worker(rank, world_size):
         out = {"peak_before": peak_memory_mb(env.device)}
         del ballast
         saved = {}
-        for kind in ("baseline", "flowtrain"):
+        for kind in KINDS:
             trainer = build_trainer(kind, cfg, env, parity=True)
             outcomes = [trainer.train_step(steps[0])]
-            first_grads = _named_grads(trainer.model)
+            first_grads = _trainer_grads(trainer)
             outcomes += [trainer.train_step(data) for data in steps[1:SAVE_AFTER]]
             saved[kind] = _through_file(trainer.state_dict())
             outcomes += [trainer.train_step(data) for data in steps[SAVE_AFTER:STEPS]]
@@ -204,24 +217,26 @@ def _losses(outcomes):
 
 def test_parity_losses_equal_each_other_and_single_process(ranks):
     reference, _ = ranks[0]["reference"]
-    for kind in ("baseline", "flowtrain"):
+    for kind in KINDS:
         for rank in ranks:  # every rank reports the step loss
             assert _losses(rank[kind]["outcomes"]) == _losses(ranks[0][kind]["outcomes"])
-    baseline, flow = (_losses(ranks[0][k]["outcomes"]) for k in ("baseline", "flowtrain"))
-    for got in (baseline, flow):
+    baseline, *others = (_losses(ranks[0][k]["outcomes"]) for k in KINDS)
+    for got in (baseline, *others):
         assert got[0] == pytest.approx(reference[0], rel=1e-5, abs=0)
         assert got[1:] == pytest.approx(reference[1:], rel=1e-4, abs=0)
-    assert flow[0] == pytest.approx(baseline[0], rel=1e-5, abs=0)
-    assert flow[1:] == pytest.approx(baseline[1:], rel=1e-4, abs=0)
+    for got in others:
+        assert got[0] == pytest.approx(baseline[0], rel=1e-5, abs=0)
+        assert got[1:] == pytest.approx(baseline[1:], rel=1e-4, abs=0)
 
 
 def test_gradients_are_the_step_losses(ranks):
     """Every rank's first-step gradients (after the runs' reductions) are the single
     process's: AdamW hides a wrong gradient scale from the losses, this does not: FlowTrain
     in the allocator's layout (two backbone replicas: average_grads over them, each its
-    share) and in the config's (one 2-stage backbone pipeline)."""
+    share) and in the config's (one 2-stage backbone pipeline); the three-phase run's ViT
+    replicas (each encoded part of the step: summed over the world) and its LLM stages."""
     _, reference = ranks[0]["reference"]
-    for kind in ("baseline", "flowtrain", "flow_pp"):
+    for kind in (*KINDS, "flow_pp"):
         seen = set()
         for rank, got in enumerate(ranks):
             for name, grad in got[kind]["grads"].items():
@@ -249,7 +264,7 @@ def test_padded_baseline_has_the_same_first_loss_and_counts_padding(ranks):
 
 
 def test_resume_continues_exactly(ranks):
-    for kind in ("baseline", "flowtrain"):
+    for kind in KINDS:
         for rank, got in enumerate(ranks):
             run = got[kind]
             assert _losses(run["resumed"]) == _losses(run["outcomes"][SAVE_AFTER:]), (kind, rank)
@@ -274,6 +289,24 @@ def test_baseline_timeline_has_one_forward_and_backward_per_microbatch_per_stage
         record = got["baseline"]["record"]
         assert 0 < record.busy_s < record.step_s and 0 < record.idle_fraction < 1
         assert 0 < record.peak_memory_mb < got["peak_before"]  # this run's peak, without the ballast
+
+
+def test_three_phase_timeline_encodes_the_step_before_the_llm_and_backward_after(ranks):
+    """Phase 1 (every rank's ViT forwards) ends before the rank's first LLM forward, phase 3
+    (its ViT backwards) starts after its last LLM backward; the step's microbatches are
+    dealt one per rank (4 packs, 4 ranks), each encoded once."""
+    encoded = []
+    for rank, got in enumerate(ranks):
+        assert got["three-phase"]["role"].endswith("(ViT replica + LLM)")
+        intervals = got["three-phase"]["outcomes"][0].intervals
+        vit_f = [iv for iv in intervals if iv.region == "vit" and iv.kind == "F"]
+        vit_b = [iv for iv in intervals if iv.region == "vit" and iv.kind == "B"]
+        llm = [iv for iv in intervals if iv.region == "llm" and iv.kind in "FB"]
+        assert vit_f and vit_b and llm, rank
+        assert max(iv.end for iv in vit_f) <= min(iv.start for iv in llm), rank
+        assert min(iv.start for iv in vit_b) >= max(iv.end for iv in llm), rank
+        encoded += [iv.microbatch for iv in vit_f]
+    assert sorted(encoded) == list(range(PACKS_PER_STEP))
 
 
 def test_flow_timeline_has_pool_puts_and_gets(ranks):
