@@ -9,6 +9,13 @@ Megatron, MindSpeed, MindSpeed-MM or the plugin (:mod:`.source_flags`) and get t
 of values it takes; the entry script and the example files it names inside the tree
 (``--mm-model``, ``--mm-data``, ... JSON) must exist and JSON must parse; a plugin flag
 must be on.  Each finding names the script line to edit.
+
+A YAML-driven launch (``pretrain_transformers.py CONFIG.yaml``, the Qwen3-VL recipes) is
+checked as it runs (:mod:`.launch_yaml`): the flags are those upstream's YAML reader rebuilds
+from the YAML's ``gpt_args``, the files those name must be in the tree, a plugin flag must
+follow the YAML on the command line (in the YAML it is not a route: the plugin activates
+before the reader writes it), and upstream flags after the YAML are named, since the reader
+drops them.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from mindspeed_flow.config import flags_requested
 
 from .errors import LaunchScriptError
 from .launch_script import TrainingCommand, Word, read_training_command
+from .launch_yaml import is_yaml_command, yaml_command
 from .source_flags import FLAG_SOURCES, PLUGIN, FlagDecl, flag_catalogue, source_files
 
 EXAMPLES = Path("scripts") / "mindspeed_mm"  # in a source checkout of the plugin
@@ -176,13 +184,49 @@ def check_launch_script(script: Path, roots: Sequence[Path],
     except OSError as err:
         result.findings.append(Finding(0, "script", f"cannot be read ({err.strerror})"))
         return result
-    flag_findings, result.flags_by_owner = check_flags(command, catalogue or flag_catalogue(files))
-    file_findings, result.tree_files = check_tree_files(command, tree)
-    result.findings = sorted(flag_findings + file_findings, key=lambda f: f.line)
-    if not flags_requested([w.text for w in command.args], environ={}):
+    catalogue = catalogue or flag_catalogue(files)
+    plugin_args = command.args
+    if is_yaml_command(command):
+        findings, result.flags_by_owner, result.tree_files, plugin_args = check_yaml_command(command, tree, catalogue)
+    else:
+        flag_findings, result.flags_by_owner = check_flags(command, catalogue)
+        file_findings, result.tree_files = check_tree_files(command, tree)
+        findings = flag_findings + file_findings
+    result.findings = sorted(findings, key=lambda f: f.line)
+    if not flags_requested([w.text for w in plugin_args], environ={}):
         result.findings.append(Finding(command.entry.line, "plugin", "no plugin flag among the training "
                                        "arguments: add --use-flowtrain (or --flow-X)"))
     return result
+
+
+def _is_plugin_flag(word: Word, catalogue: dict[str, list[FlagDecl]]) -> bool:
+    return any(d.owner == PLUGIN for d in catalogue.get(word.text.split("=", 1)[0], ()))
+
+
+def check_yaml_command(command: TrainingCommand, tree: Path, catalogue: dict[str, list[FlagDecl]]
+                       ) -> tuple[list[Finding], dict[str, int], list[str], list[Word]]:
+    """``pretrain_transformers.py CONFIG.yaml [plugin flags]``: findings, flags by owner, the tree
+    files checked, and the plugin's words (those after the YAML)."""
+    run = yaml_command(command, tree)
+    if run.problem:
+        return [Finding(run.config.line, "config", run.problem)], {}, [], run.after
+    rebuilt = TrainingCommand(command.launcher, command.entry, run.rebuilt)
+    findings, owners = check_flags(rebuilt, catalogue)
+    findings = [Finding(f.line, f"{run.config.text}: gpt_args {f.subject}", f.problem) for f in findings]
+    findings += [Finding(w.line, f"{run.config.text}: gpt_args {w.text}",
+                         "a plugin flag in the YAML is not a route: the plugin activates before upstream's reader "
+                         "writes it, and Megatron then refuses it; pass it after the YAML on the command line")
+                 for w in run.rebuilt if _is_flag(w.text) and _is_plugin_flag(w, catalogue)]
+    after_findings, after_owners = check_flags(TrainingCommand(command.launcher, command.entry, run.after), catalogue)
+    findings += after_findings + [
+        Finding(w.line, w.text, "dropped: upstream's YAML reader rebuilds the command line from the YAML alone "
+                "(set it in the YAML's gpt_args)")
+        for w in run.after if _is_flag(w.text) and w.text.split("=", 1)[0] in catalogue
+        and not _is_plugin_flag(w, catalogue)]
+    for owner, count in after_owners.items():
+        owners[owner] = owners.get(owner, 0) + count
+    file_findings, checked = check_tree_files(rebuilt, tree)
+    return findings + file_findings, owners, list(dict.fromkeys([run.config.text] + checked)), run.after
 
 
 def report_launch_scripts(roots: Sequence[Path], scripts: Sequence[Path], out: TextIO = sys.stdout) -> bool:
