@@ -132,9 +132,11 @@ class FlowTrainIterator(StepBatches):
     accounting.  ``save_state`` is the loader's ``state_dict`` (the name Megatron's
     ``maybe_save_dataloader_state`` looks for)."""
 
-    def __init__(self, loader: FlowDataLoader, split: str = "train") -> None:
+    def __init__(self, loader: FlowDataLoader, split: str = "train",
+                 to_model: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None) -> None:
         super().__init__(loader)
-        self.split = split  # only "train" microbatches are consumed samples; "valid"/"test" ones are evaluated
+        self.split = split
+        self.to_model = to_model  # the entry script's model takes packs in another layout (pretrain_transformers.py)  # only "train" microbatches are consumed samples; "valid"/"test" ones are evaluated
         # Under a decoupled layout an encoder rank decodes the same packs as its slice's
         # backbone: only the backbone's decoding rank counts them (once per replica).
         self.records = loader.decoding and role_region() != ENCODER_REGION
@@ -147,7 +149,7 @@ class FlowTrainIterator(StepBatches):
         batch = super().__next__()
         if self.records and self.split == "train":
             record_microbatch(completed_samples(batch["sample_ids"]), real_tokens(batch))
-        return batch
+        return batch if self.to_model is None else self.to_model(batch)
 
     def save_state(self) -> dict[str, Any]:
         if self.kept:
@@ -354,6 +356,7 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         device="cpu" if gloo else torch.device("cuda", torch.cuda.current_device()),
         image_root=spec.image_root, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
         records=spec.records, pad_multiple=multiple,
+        processor_file=os.path.join(str(spec.processor_path), "preprocessor_config.json"),
     )
     if getattr(margs, "load", None) and getattr(margs, "iteration", 0) > 0 and loader.decoding:
         path = loader_state_path(margs.load, margs.iteration, loader.dp_rank, spec.split)
@@ -416,8 +419,25 @@ def build_iterations(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         return wrapped(*args, **kwargs)
     if any(dl is not None and not isinstance(dl, FlowDataLoader) for dl in loaders):
         raise TypeError("--flow-packing: all of train/valid/test loaders must be FlowDataLoaders or none")
-    return tuple(None if dl is None else _chunk_view(dl) or FlowTrainIterator(dl, split)
+    to_model = _model_batch_for_entry()
+    return tuple(None if dl is None else _chunk_view(dl) or FlowTrainIterator(dl, split, to_model)
                  for dl, split in zip(loaders, ("train", "valid", "test")))
+
+
+def _model_batch_for_entry() -> Optional[Callable[[dict[str, Any]], dict[str, Any]]]:
+    """How the entry script's model takes a pack: ``pretrain_transformers.py``'s ``TransformersModel``
+    in upstream's ``seqlens`` / ``indices`` layout
+    (:func:`~.transformers_batch.transformers_model_batch`); ``None`` (the plugin's batch
+    contract as it is) for ``pretrain_vlm.py``'s ``VLMModel``."""
+    import sys
+
+    from .transformers_path import ENTRY, entry_script
+
+    if entry_script(sys.argv) != ENTRY:
+        return None
+    from .transformers_batch import transformers_model_batch
+
+    return transformers_model_batch
 
 
 def _chunk_view(loader: FlowDataLoader) -> Optional[ChunkView]:

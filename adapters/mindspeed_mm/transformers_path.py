@@ -7,7 +7,7 @@ That path trains MindSpeed-MM's ``TransformersModel`` (a Hugging Face model, e.g
 targets or premises are not there (:data:`NOT_ON_THIS_PATH`) are:
 
 - refused at start-up (:class:`~mindspeed_flow.config.FlagError`, naming each and why) when asked
-  for by name (``--flow-packing``, ``--flow-schedule``, an option that implies one, in the
+  for by name (``--flow-schedule``, ``--flow-pool``, an option that implies one, in the
   command line or ``MINDSPEED_FLOW_FLAGS``);
 - turned off under ``--use-flowtrain`` alone, each with a line in the job's feature log saying
   why (:meth:`~mindspeed_flow.config.FlowConfig.without`), so the job runs with the others.
@@ -32,11 +32,6 @@ ENTRY = "pretrain_transformers.py"
 PIPELINE = ("this path's model is one TransformersModel (a Hugging Face model, sharded by FSDP2 or wrapped by "
             "Megatron's DDP), not MindSpeed-MM's VLMModel split into Megatron pipeline stages")
 NOT_ON_THIS_PATH = {
-    "packing": (
-        "the plugin's packing loader cuts images into Qwen2-VL's 14-pixel patches with CLIP's mean/std "
-        "(mindspeed_flow/data/images.py) whatever the processor says (Qwen3-VL: 16-pixel patches, so step 1 "
-        "failed in the ViT's patch embedding), and hands packs over as cu_seqlens where this path's Qwen3-VL reads "
-        "seqlens / indices; MindSpeed-MM's own data path runs instead"),
     "schedule": f"it runs the plugin's pipeline schedules over Megatron's pipeline stages: {PIPELINE}; Megatron's "
                 "forward_backward_no_pipelining runs each step",
     "pool": f"it carries ViT embeddings between encoder and backbone ranks of a decoupled Megatron pipeline: "
@@ -45,7 +40,8 @@ NOT_ON_THIS_PATH = {
     "fused_attn": (
         "its targets (Megatron's DotProductAttention, VLMModel / MMGPTModel's dense-mask builders, MindSpeed-MM's "
         "Megatron ViTs) are not on this path; the Hugging Face model's attention follows the YAML's "
-        "attn_implementation (the recipe's flash_attention_2 with TND layout is already varlen)"),
+        "attn_implementation (the recipe's flash_attention_2 with TND layout is already varlen, and packing "
+        "requires it at start-up)"),
 }
 # Options that turn their feature on when given (mindspeed_flow.config.tree.resolve).
 IMPLYING_OPTIONS = {"--flow-pool-backend": "pool", "--flow-allocator-plan": "allocator",
@@ -113,6 +109,10 @@ def fit_to_entry(config: FlowConfig, argv: Sequence[str], environ: Mapping[str, 
         raise FlagError(f"{ENTRY} (MindSpeed-MM's TransformersModel path) cannot run "
                         + "; ".join(f"{name} ({NOT_ON_THIS_PATH[name]})" for name in refused)
                         + ". Drop those flags (--use-flowtrain alone runs the features that act on this path)")
+    if config.enabled("packing"):
+        from .transformers_packing import check_packing_yaml
+
+        check_packing_yaml(args[0] if args else None)
     dropped = sorted(config.features & NOT_ON_THIS_PATH.keys())
     notes = [f"{name} off on {ENTRY} (on under --use-flowtrain): {NOT_ON_THIS_PATH[name]}" for name in dropped]
     return config.without(dropped, notes, environment=(*env_flags(environ), *flow_tokens(args)))

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
 import yaml
 
 import realjob_qwen3vl_assets
@@ -44,6 +46,10 @@ class TransformersJob:
     plugin: tuple[str, ...] = ()  # command-line flags after the YAML; () = upstream as is
     launch: str = "pth"  # "pth": torchrun pretrain_transformers.py ...; "module": -m mindspeed_flow.launch
     ckpt_format: str = "torch"
+    save: Optional[str] = None  # checkpoint folder (absolute, or relative to the run's workdir)
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    exit_interval: Optional[int] = None
     fsdp2: bool = False  # FSDP2 (the recipe's examples/qwen3vl/fsdp2_config.yaml) instead of Megatron's DDP
     samples: int = 48
     lr: float = 1e-4
@@ -90,6 +96,15 @@ class TransformersJob:
             "seq_length": self.seq_length, "num_workers": 0, "eval_interval": 10 * self.iters, "eval_iters": 1,
             "distributed_timeout_minutes": 4,
         })
+        if self.save or self.load:  # exact resume: the optimizer and RNG states too (the recipe skips both)
+            for key in ("no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng"):
+                gpt.pop(key, None)
+        if self.save:  # the reader turns each key into --key value (Megatron's save / resume flags)
+            gpt.update({"save": str(workdir / self.save), "save_interval": self.save_interval or self.iters})
+        if self.load:
+            gpt["load"] = str(workdir / self.load)
+        if self.exit_interval:
+            gpt["exit_interval"] = self.exit_interval
         if self.fsdp2:
             fsdp2 = workdir / "fsdp2_config.yaml"
             fsdp2.write_text((sources.mindspeed_mm / FSDP2_CONFIG).read_text())

@@ -2,8 +2,8 @@
 pinned) under torchrun on CPU, as ``examples/qwen3vl/finetune_qwen3vl_*.sh`` start it
 (``realjob_transformers.py``: a tiny random Qwen3-VL in HF format with Qwen3-VL's 16-pixel
 patches, the recipe's YAML with a CPU run's changes, the ``"huggingface"`` conversation data
-path with generated images).  One rank, Megatron DDP (no FSDP2), ``ckpt_format: torch``, 8
-iterations of 4 microbatches.
+path with generated images).  One rank, Megatron DDP (no FSDP2), ``ckpt_format: torch``, or
+FSDP2 on 2 gloo ranks (``torch_dcp``); 8 iterations of 4 microbatches.
 
 What is asserted:
 
@@ -11,18 +11,24 @@ What is asserted:
   == the samples the model was fed (tags read back from ``input_ids``), no sample fed twice, and
   every attention call (ViT and LLM) on the varlen TND path of the recipe's
   ``flash_attention_2``;
-- ``--use-flowtrain`` by each route (on the command line after the YAML through the ``.pth`` hook,
-  in ``MINDSPEED_FLOW_FLAGS``, through ``-m mindspeed_flow.launch``) runs the 8 iterations with
-  the features that act on this path (recipes, system), feeds upstream's samples and gives
-  upstream's losses bit for bit, and its feature log names every feature it turned off and why
-  (``adapters/mindspeed_mm/transformers_path.py``); before, the command-line route stopped at
-  start-up (upstream's YAML reader drops the flags: Megatron's namespace disagreed with the plugin's)
-  and the environment route crashed in step 1 (the plugin's packs cut at 14-pixel patches);
-- ``--flow-packing`` / ``--flow-schedule`` asked for by name: refused at start-up, naming each and why;
-- FSDP2 on 2 gloo ranks (the recipe's ``fsdp2_config.yaml``, ``torch_dcp``), upstream as is and with
-  ``MINDSPEED_FLOW_FLAGS=--use-flowtrain`` (issue 25's crash): 8 iterations, each iteration feeds the
-  samples the 1-rank DDP run fed, losses within bf16 noise of it; the plugin's run gives upstream's
-  FSDP2 losses bit for bit;
+- ``--use-flowtrain`` runs the plugin's packing loader (by each route: on the command line after
+  the YAML through the ``.pth`` hook, in ``MINDSPEED_FLOW_FLAGS``, through
+  ``-m mindspeed_flow.launch``), with Megatron's DDP on one rank and with FSDP2 on 2 ranks:
+  finite losses, consumed samples == the samples fed, each DP rank's first epoch feeds its shard
+  once and the shards are the whole corpus, microbatches hold several samples, every LLM
+  attention call is varlen with one segment per sample (no dense mask), and the routes give the
+  same samples and losses bit for bit; the feature log names each feature turned off and why;
+- ``--use-flowtrain --no-flow-packing`` feeds upstream's samples and gives upstream's losses bit
+  for bit (the other features do not change the math);
+- save at 4 and resume to 8 with packing, ``torch`` (DDP) and ``torch_dcp`` (FSDP2): losses bit
+  for bit the uninterrupted run's, consumed samples and the sample sequence identical (no
+  sample twice, none skipped) - where upstream's own dynamic batching fails
+  (``../shared/upstream/README.md``);
+- packing with a non-varlen ``attn_implementation`` in the YAML: refused at start-up, naming the
+  key and value; ``--flow-schedule`` / ``--flow-pool`` asked for by name: refused, naming each
+  and why;
+- FSDP2 on 2 ranks upstream as is feeds each iteration the samples the 1-rank DDP run fed, losses
+  within bf16 noise of it;
 - ``use_flowtrain: true`` in the YAML's ``gpt_args`` is not a route: the plugin is not active when
   upstream parses the rebuilt command line, and Megatron refuses the unknown flag.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -41,19 +48,29 @@ from realjob_transformers import TransformersJob
 from test_real_job import BF16_RTOL, ITERS, assert_finished
 
 FLOW = ("--use-flowtrain",)
+PACK_CAPACITY = 256  # --seq-length of the packing runs: a pack holds a few samples of the tiny corpus
+K = 4  # save / exit at this iteration, resume to ITERS
+PACKED = {"seq_length": PACK_CAPACITY, "iters": ITERS}
+FSDP2 = {"dp": 2, "fsdp2": True, "ckpt_format": "torch_dcp"}
 JOBS = {
     "q3_up": TransformersJob(iters=ITERS),
-    "q3_flow_cli": TransformersJob(iters=ITERS, plugin=FLOW),
-    "q3_flow_env": TransformersJob(iters=ITERS, extra_env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),)),
-    "q3_flow_module": TransformersJob(iters=ITERS, plugin=FLOW, launch="module"),
-    "q3_refused": TransformersJob(iters=ITERS, plugin=("--use-flowtrain", "--flow-packing", "--flow-schedule")),
+    "q3_flow_cli": TransformersJob(plugin=FLOW, **PACKED),
+    "q3_flow_env": TransformersJob(extra_env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),), **PACKED),
+    "q3_flow_module": TransformersJob(plugin=FLOW, launch="module", **PACKED),
+    "q3_flow_nopack": TransformersJob(iters=ITERS, plugin=FLOW + ("--no-flow-packing",)),
+    "q3_refused": TransformersJob(iters=ITERS, plugin=("--use-flowtrain", "--flow-schedule", "--flow-pool")),
+    "q3_pack_sdpa": TransformersJob(plugin=FLOW, yaml_patch=(("model.text_decoder.attn_implementation", "sdpa"),),
+                                    **PACKED),
     "q3_yaml_flag": TransformersJob(iters=ITERS, yaml_patch=(("gpt_args.use_flowtrain", True),)),
-    "q3_up_fsdp2": TransformersJob(iters=ITERS, dp=2, fsdp2=True, ckpt_format="torch_dcp"),
-    "q3_flow_fsdp2": TransformersJob(iters=ITERS, dp=2, fsdp2=True, ckpt_format="torch_dcp",
-                                     extra_env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),)),
+    "q3_up_fsdp2": TransformersJob(iters=ITERS, **FSDP2),
+    "q3_flow_fsdp2": TransformersJob(extra_env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),), **PACKED, **FSDP2),
 }
+# Save at K, exit; resume to ITERS: the uninterrupted run each continues.
+RESUMES = {"torch": "q3_flow_cli", "torch_dcp": "q3_flow_fsdp2"}
 # --use-flowtrain turns these off on this path (the allocator is off without a plan anyway).
 TURNED_OFF = sorted(set(NOT_ON_THIS_PATH) - {"allocator"})
+# The tiny model's LLM attention: 4 heads of 16 (its ViT: 2 heads of 32).
+LLM_HEADS = [4, 16]
 
 
 def run(real_jobs, name: str) -> RealRun:
@@ -68,12 +85,18 @@ def per_iteration_samples(run_: RealRun) -> dict[int, list[int]]:
     return {i: sorted(tags) for i, tags in out.items()}
 
 
-def assert_consumed_is_fed(run: RealRun) -> None:
+def assert_consumed_counts_fed(run: RealRun) -> None:
+    """Each iteration's consumed samples (as logged) grew by the samples the model was fed."""
     fed = per_iteration_samples(run)
     previous = 0
     for iteration in sorted(run.consumed):
         assert run.consumed[iteration] - previous == len(fed[iteration]), (iteration, run.consumed, fed)
         previous = run.consumed[iteration]
+
+
+def assert_consumed_is_fed(run: RealRun) -> None:
+    """As :func:`assert_consumed_counts_fed`, and no sample fed twice (the run stays in its first epoch)."""
+    assert_consumed_counts_fed(run)
     samples = run.fed_samples()
     assert samples and max(Counter(samples).values()) == 1, samples
 
@@ -88,30 +111,113 @@ def test_upstream_as_is_trains(real_jobs):
     assert calls and all(c["layout"] == "TND" and c["actual_seq_qlen"] for c in calls)
 
 
-@pytest.mark.parametrize("name", ["q3_flow_cli", "q3_flow_env", "q3_flow_module", "q3_flow_fsdp2"])
-def test_flowtrain_runs_what_acts_here_and_names_what_it_turned_off(real_jobs, name):
-    ours = run(real_jobs, name)
-    upstream = run(real_jobs, "q3_up_fsdp2" if ours.job.fsdp2 else "q3_up")
-    assert_finished(ours)
-    assert_consumed_is_fed(ours)
-    # packing off: MindSpeed-MM's own data path feeds upstream's samples; nothing else changes the math
-    assert ours.fed == upstream.fed
-    assert ours.exact_losses == upstream.exact_losses
-    features = [line for line in ours.output.splitlines() if "=> mindspeed-flow: recipes, system; " in line]
-    assert len(features) == 1, ours.output[-3000:]
+def feature_line(run_: RealRun) -> str:
+    """The job's one feature line (the features on, then the notes: each turned off, with why)."""
+    lines = [line for line in run_.output.splitlines() if "=> mindspeed-flow: " in line and " off on " in line]
+    assert len(lines) == 1, run_.output[-3000:]
+    return lines[0]
+
+
+def assert_names_what_it_turned_off(run_: RealRun) -> None:
+    line = feature_line(run_)
     for feature in TURNED_OFF:
         assert f"{feature} off on pretrain_transformers.py (on under --use-flowtrain): " \
-               f"{NOT_ON_THIS_PATH[feature]}" in features[0]
+               f"{NOT_ON_THIS_PATH[feature]}" in line
 
 
-def test_packing_and_schedule_asked_for_by_name_are_refused_at_start_up(real_jobs):
+def assert_packs_every_sample_once(run_: RealRun) -> None:
+    """Packs of several samples; each DP rank's first epoch is its shard, every sample once,
+    and the shards together are the corpus (ranks may start their next epoch a few packs apart)."""
+    batches = [b for b in run_.batches if b["training"]]
+    assert max(len(b["rows"][0][0]["tags"]) for b in batches) > 1
+    assert len(run_.fed_samples()) > ITERS * run_.job.gbs
+    streams: dict[int, list[int]] = {}
+    for _, dp, tags in run_.fed:
+        streams.setdefault(dp, []).extend(tags)
+    share = run_.job.samples // run_.job.dp
+    firsts = [t for stream in streams.values() for t in stream[:share]]
+    assert sorted(firsts) == list(range(run_.job.samples)), streams
+
+
+def assert_llm_attention_is_per_sample(run_: RealRun) -> None:
+    """Every LLM attention call is varlen TND over the whole pack, its segments the pack's
+    samples: as many as a fed microbatch held, never one dense span over several samples."""
+    llm = [c for c in run_.kernel_attention if c["query"][1:] == LLM_HEADS]
+    assert llm and all(c["layout"] == "TND" and c["sparse_mode"] == 3 for c in llm)  # causal within each segment
+    assert all(c["actual_seq_qlen"][-1] == c["query"][0] and c["actual_seq_qlen"] == sorted(set(c["actual_seq_qlen"]))
+               for c in llm)
+    samples_per_batch = {len(b["rows"][0][0]["tags"]) for b in run_.batches}
+    assert {len(c["actual_seq_qlen"]) for c in llm} <= samples_per_batch
+    assert max(len(c["actual_seq_qlen"]) for c in llm) > 1
+
+
+@pytest.mark.parametrize("name", ["q3_flow_cli", "q3_flow_fsdp2"])
+def test_flowtrain_packs_with_the_plugins_loader(real_jobs, name):
+    ours = run(real_jobs, name)
+    assert_finished(ours)
+    assert_consumed_counts_fed(ours)  # packs go through the corpus more than once in 8 iterations
+    assert_packs_every_sample_once(ours)
+    assert_llm_attention_is_per_sample(ours)
+    assert_names_what_it_turned_off(ours)
+    assert "packing" in feature_line(ours).split("=> mindspeed-flow: ")[1].split(";")[0]
+    if ours.job.fsdp2:
+        assert {dp for _, dp, _ in ours.fed} == {0, 1}
+
+
+@pytest.mark.parametrize("name", ["q3_flow_env", "q3_flow_module"])
+def test_every_route_packs_the_same(real_jobs, name):
+    ours, cli = run(real_jobs, name), run(real_jobs, "q3_flow_cli")
+    assert_finished(ours)
+    assert ours.fed == cli.fed and ours.consumed == cli.consumed
+    assert ours.exact_losses == cli.exact_losses
+
+
+def test_flowtrain_without_packing_gives_upstreams_losses(real_jobs):
+    ours, upstream = run(real_jobs, "q3_flow_nopack"), run(real_jobs, "q3_up")
+    assert_finished(ours)
+    assert_consumed_is_fed(ours)
+    assert ours.fed == upstream.fed  # MindSpeed-MM's own data path
+    assert ours.exact_losses == upstream.exact_losses  # nothing else changes the math
+    assert_names_what_it_turned_off(ours)
+
+
+def saved(real_jobs, fmt: str) -> RealRun:
+    job = replace(JOBS[RESUMES[fmt]], save="ckpt", save_interval=K, exit_interval=K)
+    return real_jobs.run(f"q3_pack_{fmt}_save", job)
+
+
+def resumed(real_jobs, fmt: str) -> RealRun:
+    first = saved(real_jobs, fmt)
+    return real_jobs.run(f"q3_pack_{fmt}_resume", replace(JOBS[RESUMES[fmt]], load=str(first.workdir / "ckpt")))
+
+
+@pytest.mark.parametrize("fmt", list(RESUMES))
+def test_packing_resumes_bit_for_bit(real_jobs, fmt):
+    whole, first, second = run(real_jobs, RESUMES[fmt]), saved(real_jobs, fmt), resumed(real_jobs, fmt)
+    assert_finished(first, 1, K)
+    assert_finished(second, K + 1, ITERS)
+    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
+    assert {**first.consumed, **second.consumed} == whole.consumed
+    assert first.fed + second.fed == whole.fed  # no sample twice, none skipped, same order, same DP rank
+    assert list((first.workdir / "ckpt").rglob("flow_loader_dprank*.pt"))  # the loader state beside it
+
+
+def test_schedule_and_pool_asked_for_by_name_are_refused_at_start_up(real_jobs):
     refused = real_jobs.run("q3_refused", JOBS["q3_refused"], check=False)
     assert refused.returncode != 0 and not refused.losses
     lines = [line for line in refused.output.splitlines() if "mindspeed-flow: refusing to start: " in line]
     assert lines, refused.output[-3000:]
-    for feature in ("packing", "schedule"):
+    for feature in ("pool", "schedule"):
         assert f"{feature} ({NOT_ON_THIS_PATH[feature]})" in lines[0]
     assert "Traceback" not in refused.output.split("mindspeed-flow: refusing to start: ")[0]
+
+
+def test_packing_with_a_dense_attention_is_refused_naming_the_yaml_key(real_jobs):
+    refused = real_jobs.run("q3_pack_sdpa", JOBS["q3_pack_sdpa"], check=False)
+    assert refused.returncode != 0 and not refused.losses
+    lines = [line for line in refused.output.splitlines() if "mindspeed-flow: refusing to start: " in line]
+    assert lines, refused.output[-3000:]
+    assert "model.text_decoder.attn_implementation is 'sdpa'" in lines[0] and "--no-flow-packing" in lines[0]
 
 
 def test_use_flowtrain_in_the_yaml_is_not_a_route(real_jobs):
