@@ -49,7 +49,7 @@ def test_use_flowtrain_runs_the_features_that_act_and_says_why_the_others_are_of
         "launcher at site": (["-m", ENTRY, "c.yaml", *flags], ""),  # sys.argv while site runs the .pth hook
     }[route]
     config = fitted(argv, env)
-    assert config.features == {"conv_matmul", "recipes", "system"}
+    assert config.features == {"conv_matmul", "packing", "recipes", "system"}
     off = set(NOT_ON_THIS_PATH) - {"allocator"}  # --use-flowtrain leaves it off without a plan anyway
     assert config.withheld == off
     assert config.pool_backend is None
@@ -62,7 +62,6 @@ def test_use_flowtrain_runs_the_features_that_act_and_says_why_the_others_are_of
 
 
 @pytest.mark.parametrize("flags, env, refused", [
-    (["--flow-packing"], "", ["packing"]),
     (["--use-flowtrain", "--flow-schedule", "--flow-conv-matmul"], "", ["schedule"]),
     ([], "--flow-fused-attn", ["fused_attn"]),
     (["--flow-pool-backend", "shm"], "", ["pool"]),
