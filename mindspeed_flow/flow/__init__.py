@@ -23,10 +23,11 @@ from .encoder_cost import EncoderCost
 from .errors import GroupingError, SampleError, StreamError
 from .grouping import FlowGrouping, group_step
 from .meta import SampleKey, SampleMeta
-from .plan import compose_flow
+from .plan import StepNumbering, compose_flow, compose_flow_steps
 from .producer import EmbeddingProducer, ProducerStats
 from .ranks import FlowRanks, FlowRole
 
 __all__ = ["ConsumerStats", "EmbeddingConsumer", "EmbeddingProducer", "EncoderCost", "FlowGrouping", "FlowMicrobatch",
            "FlowRanks", "FlowRole", "GroupingError", "ProducerStats", "SampleError", "SampleKey", "SampleMeta",
-           "StreamError", "backbone_plan", "compose_flow", "flow_costs", "group_seconds", "group_step", "stage_feed"]
+           "StepNumbering", "StreamError", "backbone_plan", "compose_flow", "compose_flow_steps", "flow_costs",
+           "group_seconds", "group_step", "stage_feed"]

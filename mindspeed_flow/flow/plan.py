@@ -32,7 +32,8 @@ the encoder's backwards in the order their gradients actually complete.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from ..schedule import Action, Decoupled, Kind, OneFOneB, Plan, Region, compose
 from ..schedule.keys import BoundaryKey, BoundaryKind
@@ -45,6 +46,7 @@ from .ranks import FlowRanks
 
 ACT_KEY = BoundaryKey(ENCODER_REGION, 0, BoundaryKind.ACT)
 GRAD_KEY = ACT_KEY.of(BoundaryKind.GRAD)
+TAKEN_KEY = ACT_KEY.of(BoundaryKind.TAKEN)
 
 
 def compose_flow(
@@ -72,6 +74,130 @@ def compose_flow(
         semantics=semantics,
         samples=flow.samples(),
     )
+
+
+@dataclass(frozen=True)
+class StepNumbering:
+    """How :func:`compose_flow_steps` numbers several steps in one plan: step ``k``'s groups
+    follow the earlier steps' (``group_offset[k]``), and its sample ``s`` is plan sample
+    ``k * sample_stride + s`` (a step's ids repeat across steps).  Step 0 keeps its numbers,
+    so a one-step plan is :func:`compose_flow`'s."""
+
+    group_offset: tuple[int, ...]
+    sample_stride: int
+
+    @classmethod
+    def of(cls, groupings: Sequence[FlowGrouping]) -> "StepNumbering":
+        offsets, total = [], 0
+        for g in groupings:
+            offsets.append(total)
+            total += len(g.batches) + len(g.microbatches)
+        return cls(tuple(offsets), 1 + max(s.sample_id for g in groupings for s in g.samples))
+
+    def sample(self, k: int, sample_id: int) -> int:
+        return k * self.sample_stride + sample_id
+
+    def step_of_sample(self, plan_sample: int) -> tuple[int, int]:
+        """``(step index, sample id)`` of a plan sample number."""
+        return divmod(plan_sample, self.sample_stride)
+
+    def step_of_group(self, group: int) -> int:
+        """The step index whose groups hold plan group ``group``."""
+        return max(k for k, offset in enumerate(self.group_offset) if offset <= group)
+
+    def label(self, action: Action) -> str:
+        """``"<step index>:<group in its step>"``: a Gantt bar's text
+        (:func:`mindspeed_flow.schedule.gantt.draw`'s ``text``), so a producer's bars of the
+        next step stand out among the backbone's of this one."""
+        k = self.step_of_group(action.microbatch)
+        return f"{k}:{action.microbatch - self.group_offset[k]}"
+
+
+def compose_flow_steps(
+    groupings: Sequence[FlowGrouping],
+    *,
+    encoder_layers: int = 1,
+    llm_layers: int | None = None,
+    trainable_encoder: bool = True,
+    max_in_flight: int | None = None,
+    semantics: str = "eager",
+) -> Plan:
+    """Consecutive steps of a flow in one plan, so :func:`~mindspeed_flow.schedule.simulate`
+    and the Gantt chart show a frozen encoder running ahead into the next step.
+
+    Each step is :func:`compose_flow`'s, numbered by :class:`StepNumbering`; every rank runs
+    its steps one after the other.  A *frozen* encoder's replica goes on into the next step's
+    batches as soon as its own are done (nothing it runs waits for the backbone), bounded by
+    ``max_in_flight``: before the forward of a batch whose first entry is the replica's
+    ``j``-th (counted over the steps), it waits until its ``(j - max_in_flight)``-th entry was
+    taken (a ``GET [vit.s0:taken]`` from the consumer, which ``PUT``s that notice right after
+    its get of the entry, in the same batch of transfers: the consumer takes each entry as
+    it is ready, so a window smaller than a microbatch cannot deadlock): as the runtime's
+    :meth:`~.producer.EmbeddingProducer.run_ahead` stops before a batch while
+    ``max_in_flight`` entries are in flight.  A *trainable* encoder's next step follows its
+    backwards of this one in its program, so it stays within the step.  The encoder
+    replicas' broadcast is the first step's and their gradient reduce the last step's (the
+    validator wants each once); the sums and optimizer steps between steps, the backbone's
+    too, are not in the plan, nor the pool's capacity (``max_in_flight`` is the bound).
+    """
+    groupings = list(groupings)
+    if not groupings:
+        raise GroupingError("compose_flow_steps: no steps")
+    shape = {(g.encoder_replicas, g.dp, g.pp) for g in groupings}
+    if len(shape) > 1:
+        raise GroupingError(f"compose_flow_steps: the steps differ in (encoder replicas, dp, pp): {sorted(shape)}")
+    if max_in_flight is not None and max_in_flight < 1:
+        raise GroupingError(f"compose_flow_steps: max_in_flight must be >= 1 or None, got {max_in_flight}")
+    numbering = StepNumbering.of(groupings)
+    programs: dict[int, list[Action]] = {}
+    paths, samples, plan = [], {}, None
+    for k, g in enumerate(groupings):
+        plan = compose_flow(g, encoder_layers=encoder_layers, llm_layers=llm_layers,
+                            trainable_encoder=trainable_encoder, semantics=semantics)
+        offset, last = numbering.group_offset[k], k == len(groupings) - 1
+        for rank, program in plan.programs.items():
+            programs.setdefault(rank, []).extend(
+                replace(a, microbatch=None if a.microbatch is None else offset + a.microbatch,
+                        sample=None if a.sample is None else numbering.sample(k, a.sample)) for a in program
+                if not (a.kind is Kind.PARAM_BROADCAST and k) and not (a.kind is Kind.GRAD_REDUCE and not last))
+        paths += plan.paths
+        samples.update((offset + m, tuple(numbering.sample(k, s) for s in ids)) for m, ids in plan.samples.items())
+    if max_in_flight is not None:
+        _in_flight_window(programs, groupings[0].encoder_replicas, max_in_flight)
+    return Plan(regions=plan.regions, num_microbatches=len(paths),
+                programs={rank: tuple(programs[rank]) for rank in sorted(programs)}, paths=tuple(paths),
+                roles=plan.roles, semantics=semantics, samples=samples)
+
+
+def _in_flight_window(programs: dict[int, list[Action]], encoders: int, window: int) -> None:
+    """Bound every encoder replica's entries in flight by ``window`` (see
+    :func:`compose_flow_steps`): a wait before each batch forward, a taken notice from the
+    consumer right after its get of the awaited entry."""
+    notices: dict[int, list[Action]] = {}  # consumer rank -> its notices (by sample)
+    for e in range(encoders):
+        puts = [a for a in programs[e] if a.kind is Kind.POOL_PUT and a.carries is BoundaryKind.ACT]
+        entry = {a.sample: j for j, a in enumerate(puts)}
+        program: list[Action] = []
+        for i, a in enumerate(programs[e]):
+            if a.kind is Kind.FORWARD:
+                first = next(b for b in programs[e][i + 1:] if b.kind is Kind.POOL_PUT)
+                j = entry[first.sample] - window
+                if j >= 0:
+                    awaited = puts[j]
+                    program.append(Action(Kind.POOL_GET, ENCODER_REGION, 0, awaited.microbatch, peer=awaited.peer,
+                                          key=TAKEN_KEY, sample=awaited.sample))
+                    notices.setdefault(awaited.peer, []).append(
+                        Action(Kind.POOL_PUT, BACKBONE_REGION, 0, None, peer=e, key=TAKEN_KEY, sample=awaited.sample))
+            program.append(a)
+        programs[e] = program
+    for rank, pending in notices.items():
+        by_sample = {n.sample: n for n in pending}
+        program = []
+        for a in programs[rank]:
+            program.append(a)
+            if a.kind is Kind.POOL_GET and a.carries is BoundaryKind.ACT and a.sample in by_sample:
+                program.append(replace(by_sample.pop(a.sample), microbatch=a.microbatch))
+        programs[rank] = program
 
 
 class _Flow:

@@ -93,12 +93,17 @@ class CostTable:
         pool: link used by pool gets (default: ``link``).
         microbatch_scale: ``(region, microbatch) -> factor`` on compute time: the hook for
             the packing cost model, whose packs differ in cost.
+        sample_bytes: ``sample -> bytes`` of a flow plan's per-sample pool entry (``smp``
+            actions): a per-sample get then takes the pool link's time for that sample's
+            bytes (its ``latency`` the fixed cost of one transfer) instead of the region's
+            ``output_bytes``.  A ``taken`` notice (the in-flight window) carries nothing.
     """
 
     regions: Mapping[str, RegionCost]
     link: Link = field(default_factory=Link)
     pool: Link | None = None
     microbatch_scale: Callable[[str, int], float] | None = None
+    sample_bytes: Callable[[int], float] | None = None
 
     def nominal(self) -> CostTable:
         """The same table with every jitter replaced by its mean and no per-microbatch
@@ -110,6 +115,7 @@ class CostTable:
             },
             link=self.link,
             pool=self.pool,
+            sample_bytes=self.sample_bytes,
         )
 
     def region(self, name: str) -> RegionCost:
@@ -142,6 +148,10 @@ class CostTable:
         if action.kind is Kind.GRAD_REDUCE:  # ring all-reduce
             n = len(action.group)
             return self.link.seconds(2 * (n - 1) / n * cost.param_bytes)
+        if action.carries is BoundaryKind.TAKEN:
+            return 0.0
+        if action.kind is Kind.POOL_GET and action.sample is not None and self.sample_bytes is not None:
+            return (self.pool or self.link).seconds(self.sample_bytes(action.sample))
         if action.kind is Kind.POOL_GET and self.pool is not None:
             return self.pool.seconds(cost.output_bytes)
         if action.carries is BoundaryKind.INPUT:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from .actions import COLLECTIVES, Kind
+from .actions import COLLECTIVES, Action, Kind
 from .simulate import SimResult
 
 _ALPHA = {Kind.FORWARD: 0.45, Kind.BACKWARD: 0.95, Kind.BACKWARD_INPUT: 0.75, Kind.BACKWARD_WEIGHT: 0.95}
@@ -100,9 +100,11 @@ def chart(bars: Sequence[Bar], rows: Sequence[str], keys: Sequence[Key], path: P
     return drawn
 
 
-def draw(result: SimResult, path: str | Path, title: str | None = None) -> Path:
+def draw(result: SimResult, path: str | Path, title: str | None = None,
+         text: Callable[[Action], str] | None = None) -> Path:
     """Write the chart of ``result`` (one row per rank) to ``path`` (PNG, headless backend);
-    returns ``path``."""
+    returns ``path``.  ``text``: what a compute's bar says (default: its microbatch; a
+    several-step flow plan's :meth:`mindspeed_flow.flow.StepNumbering.label` says its step)."""
     path = Path(path)
     ranks = sorted(result.busy)
     names = [r.name for r in result.plan.regions]
@@ -115,7 +117,7 @@ def draw(result: SimResult, path: str | Path, title: str | None = None) -> Path:
             bars.append(Bar(row, iv.start, iv.end, GREY, outline=False))
         else:
             bars.append(Bar(row, iv.start, iv.end, colour[a.region], _ALPHA[a.kind], _HATCH.get(a.kind),
-                            str(a.microbatch)))
+                            text(a) if text else str(a.microbatch)))
     heading = f"step {result.step_time:.2f} s, bubble {result.bubble_fraction:.0%}"
     drawn = {(iv.action.region, iv.action.kind) for iv in result.intervals}
     keys = [Key(f"{n} {_LABEL[k]}", colour[n], _ALPHA[k], _HATCH.get(k)) for n in names for k in _LABEL

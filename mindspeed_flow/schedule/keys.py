@@ -31,6 +31,9 @@ class BoundaryKind(str, Enum):
     GRAD = "grad"  # the gradient of that output, backward
     INPUT = "input"  # a recomputed region's input, to the rank of its backward
     WEIGHT = "weight"  # (one rank) the output gradient a split backward keeps for W
+    # No data: a flow plan's consumer took a sample's entry, which frees a slot of its
+    # producer's in-flight window (``mindspeed_flow.flow.plan.compose_flow_steps``).
+    TAKEN = "taken"
 
 
 class BoundaryKey(str):

@@ -46,7 +46,7 @@ from .regions import backward_kinds
 from .replicas import check_replicas
 from .seams import FLOW
 
-ACT, GRAD, INPUT = BoundaryKind.ACT, BoundaryKind.GRAD, BoundaryKind.INPUT
+ACT, GRAD, INPUT, TAKEN = BoundaryKind.ACT, BoundaryKind.GRAD, BoundaryKind.INPUT, BoundaryKind.TAKEN
 
 
 def validate(plan: Plan, *, semantics: str | None = None) -> None:
@@ -202,10 +202,13 @@ def _check_sample_flow(plan: Plan, rank: int, i: int, a: Action, pooled: set[tup
             raise ScheduleError(f"{where}: only a pool put or get carries a sample")
         if a.sample not in group:
             raise ScheduleError(f"{where}: smp{a.sample} is not one of mb{a.microbatch}'s samples {list(group)}")
-        if a.carries not in (ACT, GRAD):
-            raise ScheduleError(f"{where}: a sample's pool transfer carries act or grad, not {a.carries}")
+        if a.carries not in (ACT, GRAD, TAKEN):
+            raise ScheduleError(f"{where}: a sample's pool transfer carries act, grad or taken, not {a.carries}")
         if a.kind is Kind.POOL_GET:
             pooled.add((a.carries, a.sample))
+        elif a.carries is TAKEN:  # the consumer says it took the sample's entry: only after its get
+            if (ACT, a.sample) not in pooled:
+                raise ScheduleError(f"{where}: says smp{a.sample} was taken before its pool get")
         elif (a.carries, a.sample) not in pooled:
             made_by = "its group's forward" if _flow_side(plan, a.microbatch) == "producer" else "its backward"
             raise ScheduleError(f"{where}: puts {a.carries.value} of smp{a.sample} before {made_by} made it")
