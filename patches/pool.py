@@ -14,7 +14,9 @@ from ``--flow-schedule-config`` (its ``decoupled:`` form) or a decoupled ``--flo
   form; ``load_checkpoint`` assembles a checkpoint of the other form (decoupled /
   co-located) for this rank by name (:mod:`mindspeed_flow.adapters.megatron.role_checkpoint`);
 - ``get_forward_backward_func`` returns the decoupled step (the slice's plan through the
-  runtime's executor and the pool), outside the schedule feature's own wrapper.
+  runtime's executor and the pool, or with the layout's ``flow: true`` FlowTrain's flow:
+  per-sample pool entries, :mod:`mindspeed_flow.adapters.megatron.decoupled_flow`), outside
+  the schedule feature's own wrapper.
 
 Without a decoupled layout every wrapper calls Megatron's / MindSpeed-MM's own function, and
 no pool is opened (the job's log says so).

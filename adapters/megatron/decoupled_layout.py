@@ -28,7 +28,8 @@ DECOUPLED_FEATURE = "pool"  # patches/pool.py's feature: the decoupled layout's 
 def decoupled_layout(args: Any) -> DecoupledLayout | None:
     """The layout ``args``' flags name (``None``: none does).  When the layout file and the
     allocator plan both name one they must be the same sizes (the file's ``max_in_flight``
-    wins: a plan has none); ``args.world_size`` must be the layout's."""
+    and ``flow`` win: a plan has neither); ``args.world_size`` must be the layout's, and a
+    layout with ``flow`` one that the flow runs (:func:`~.decoupled_flow.check_supported`)."""
     chosen = _chosen(args)
     return chosen[1] if chosen else None
 
@@ -39,12 +40,17 @@ def _chosen(args: Any) -> tuple[str, DecoupledLayout] | None:
     if not found:
         return None
     source, layout = found[0]
-    if len(found) == 2 and replace(found[1][1], max_ahead=layout.max_ahead) != layout:
+    if len(found) == 2 and replace(found[1][1], max_ahead=layout.max_ahead, flow=layout.flow,
+                                   flow_encoder_batch_patches=layout.flow_encoder_batch_patches) != layout:
         raise LayoutError(f"{source} and {found[1][0]} name two decoupled layouts: {describe_sizes(layout)} and "
                           f"{describe_sizes(found[1][1])}; give one, or make them agree")
     world = getattr(args, "world_size", None)
     if world is not None:
         layout.check_world_size(int(world), source)
+    if layout.flow:
+        from mindspeed_flow.adapters.megatron.decoupled_flow import check_supported
+
+        check_supported(layout, args, source)
     return source, layout
 
 

@@ -22,6 +22,12 @@ over the same group, where every encoder rank passes its slice's count (known on
 slice's last backbone stage only, so broadcast over the slice first).  (DDP's overlapped
 gradient all-reduce would race with that ``REDUCE``: ``--overlap-grad-reduce`` is refused,
 :func:`.roles.check_supported`.)
+
+With ``flow: true`` in the layout the step is FlowTrain's flow instead of the plan: the encoder
+rank encodes the step's samples in batches of its own and puts one pool entry per sample, the
+backbone runs its pipeline's 1F1B and takes each microbatch's samples by key
+(:mod:`.decoupled_flow`); the pool, the loss dicts, the token count and the gradient
+finalisation around it are the same.
 """
 
 from __future__ import annotations
@@ -82,7 +88,11 @@ def _executor(layout: Any, groups: dict) -> Any:
         rank = dist.get_rank()
         STATE.backend = pool_backend()
         STATE.pool_name = job_pool_name()
-        STATE.pool = open_slice_pool(STATE.backend, layout, groups, STATE.pool_name, DEFAULT_POOL_BYTES)
+        # The flow's consumers wait on a producer's announced keys and call it dead when its
+        # heartbeat (a thread) stalls for liveness_s: a quarter of the runtime's timeout, not the
+        # pool's 3 s default, which a busy encoder rank on a loaded CPU overruns.
+        liveness = {"liveness_s": SETTINGS.options.wait.timeout_s / 4} if layout.flow else {}
+        STATE.pool = open_slice_pool(STATE.backend, layout, groups, STATE.pool_name, DEFAULT_POOL_BYTES, **liveness)
         if rank == 0:
             log.info("mindspeed-flow pool: %s pools named %s-b<slice> open", STATE.backend, STATE.pool_name)
         if rank == 0 or STATE.pool is not None:  # any survivor of a dying rank removes the pools
@@ -155,6 +165,29 @@ def close() -> None:
     STATE.pool = STATE.executor = None
 
 
+def _flow_step(layout: Any, rank: int, role: Any, forward_step_func: Callable, iterator: Any, model: Any,
+               num_microbatches: int, trainable: bool, run: Callable[..., Any]) -> tuple[list, Any]:
+    """One step of the layout's flow (:mod:`.decoupled_flow`) on this rank: its
+    ``forward_data_store`` and token count (an encoder rank's: empty, zero)."""
+    import torch
+
+    from mindspeed_flow.adapters.megatron import decoupled_flow
+    from mindspeed_flow.adapters.megatron.schedule import SETTINGS
+
+    decoupled_flow.check_supported(layout)
+    samples, grouping = decoupled_flow.step_grouping(layout, iterator, num_microbatches)
+    timeout_s = SETTINGS.options.wait.timeout_s
+    if role.region == ENCODER_REGION:
+        decoupled_flow.produce(samples, grouping, forward_step_func, model, STATE.pool, trainable=trainable,
+                               timeout_s=timeout_s)
+        return [], torch.zeros([], dtype=torch.int)
+    executor = decoupled_flow.backbone_executor(layout, rank, SETTINGS.options)
+    result = decoupled_flow.consume(samples, grouping, forward_step_func, model, STATE.pool, stage=role.stage,
+                                    trainable=trainable, timeout_s=timeout_s,
+                                    run=lambda plan, step_func, bindings: run(plan, step_func, bindings, executor))
+    return result.forward_data_store, result.total_num_tokens
+
+
 def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
                                forward_only: bool = False, collect_non_loss_data: bool = False,
                                **ignored: Any) -> list:
@@ -179,29 +212,38 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
     iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
     slice_microbatches = num_microbatches * layout.encoder_dp if encoder else num_microbatches
     trainable = trainable_encoder()
-    key = (slice_microbatches, trainable)
-    plan = STATE.plans.get(key)
-    if plan is None:
-        plan = STATE.plans[key] = slice_plan(layout, slice_microbatches, trainable)
     executor = _executor(layout, groups)
     config = get_model_config(models[0])
     loss = LossRules(config.calculate_per_token_loss, parallel_state.get_context_parallel_world_size(),
                      config.grad_scale_func)
     if encoder:
         forward_step_func = in_params_dtype(forward_step_func, config.params_dtype)
-        iterator = CountingIterator(iterator)
-    with _grad_sync_held(config, forward_only) as release:
-        result = executor.run(plan, forward_step_func, {role.binding: Binding(models[0], iterator)},
-                              forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, loss=loss,
-                              before_last_backward=release)
-    if encoder:
-        iterator.skip_to(slice_microbatches)
+
+    def run(plan: Any, step_func: Callable, bindings: dict, on: Any = executor) -> Any:
+        with _grad_sync_held(config, forward_only) as release:
+            return on.run(plan, step_func, bindings, forward_only=forward_only,
+                          collect_non_loss_data=collect_non_loss_data, loss=loss, before_last_backward=release)
+
+    if layout.flow:
+        forward_data_store, total_num_tokens = _flow_step(layout, rank, role, forward_step_func, iterator, models[0],
+                                                          slice_microbatches, trainable and not forward_only, run)
+    else:
+        key = (slice_microbatches, trainable)
+        plan = STATE.plans.get(key)
+        if plan is None:
+            plan = STATE.plans[key] = slice_plan(layout, slice_microbatches, trainable)
+        if encoder:
+            iterator = CountingIterator(iterator)
+        result = run(plan, forward_step_func, {role.binding: Binding(models[0], iterator)})
+        if encoder:
+            iterator.skip_to(slice_microbatches)
+        forward_data_store, total_num_tokens = result.forward_data_store, result.total_num_tokens
     last = layout.backbone_rank(layout.replica(rank), layout.backbone_pp - 1)  # the slice's last stage, TP rank 0
-    store = slice_losses(result.forward_data_store, rank, last, groups["slice"], encoder)
+    store = slice_losses(forward_data_store, rank, last, groups["slice"], encoder)
     if forward_only:
         return store
-    tokens = result.total_num_tokens.clone().to(torch.int64 if not result.total_num_tokens.is_floating_point()
-                                                 else result.total_num_tokens.dtype)
+    tokens = total_num_tokens.clone().to(torch.int64 if not total_num_tokens.is_floating_point()
+                                         else total_num_tokens.dtype)
     dist.broadcast(tokens, src=last, group=groups["slice"])  # the slice's count, on every rank of it
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(models, tokens if config.calculate_per_token_loss else None)

@@ -70,6 +70,11 @@ class DecoupledLayout:
         backbone_dp: backbone replicas (data parallel), each a pipeline of its own.
         encoder_tp: ranks of one encoder replica's tensor-parallel group.
         backbone_tp: ranks of one backbone stage's tensor-parallel group.
+        flow: FlowTrain's flow instead of the lockstep plan: the encoder encodes the step's
+            samples in batches of its own and puts one pool entry per sample; the backbone
+            takes each microbatch's samples by key (``mindspeed_flow.flow``).
+        flow_encoder_batch_patches: under ``flow``, the ViT patches of one encoder batch
+            (a sample with more gets a batch of its own).
     """
 
     encoder_dp: int = 1
@@ -80,6 +85,8 @@ class DecoupledLayout:
     backbone_dp: int = 1
     encoder_tp: int = 1
     backbone_tp: int = 1
+    flow: bool = False
+    flow_encoder_batch_patches: int = 1024
 
     def __post_init__(self) -> None:
         sizes = {name: getattr(self, name) for name in ("encoder_dp", "encoder_tp", "backbone_pp", "backbone_tp",
@@ -87,6 +94,9 @@ class DecoupledLayout:
         bad = {name: size for name, size in sizes.items() if size < 1}
         if bad:
             raise LayoutError(f"DecoupledLayout: {', '.join(sizes)} must be >= 1, got {bad}")
+        if self.flow_encoder_batch_patches < 1:
+            raise LayoutError(f"DecoupledLayout: flow_encoder_batch_patches must be >= 1, got "
+                              f"{self.flow_encoder_batch_patches}")
 
     # ------------------------------------------------------------------ placement
 

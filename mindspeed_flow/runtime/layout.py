@@ -136,6 +136,8 @@ class _DecoupledSection:
     encoder: _EncoderSizes
     backbone: _BackboneSizes
     max_in_flight: Optional[int] = DecoupledLayout.__dataclass_fields__["max_ahead"].default
+    flow: bool = False  # FlowTrain's flow: per-sample pool entries, encoder batches of its own
+    flow_encoder_batch_patches: int = DecoupledLayout.__dataclass_fields__["flow_encoder_batch_patches"].default
 
     def __post_init__(self) -> None:
         if self.max_in_flight is not None and self.max_in_flight < 1:
@@ -152,6 +154,8 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
           encoder: {dp: 2, tp: 1}          # encoder replicas over the whole job, TP ranks each
           backbone: {dp: 2, tp: 1, pp: 2}  # pipelines, TP ranks per stage, stages
           max_in_flight: 2                 # microbatches ahead of their backward (null: unbounded)
+          flow: true                       # optional: FlowTrain's flow instead of the lockstep plan
+          flow_encoder_batch_patches: 1024 # optional: ViT patches per encoder batch under the flow
 
     The layer counts are the model's (:meth:`~mindspeed_flow.decoupled.DecoupledLayout.with_layers`).
     A typo, a wrong type, a size below one or an encoder that does not split over the
@@ -164,7 +168,8 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
     try:
         return DecoupledLayout(encoder_dp=spec.encoder.dp // spec.backbone.dp, encoder_tp=spec.encoder.tp,
                                backbone_pp=spec.backbone.pp, backbone_tp=spec.backbone.tp,
-                               backbone_dp=spec.backbone.dp, max_ahead=spec.max_in_flight)
+                               backbone_dp=spec.backbone.dp, max_ahead=spec.max_in_flight, flow=spec.flow,
+                               flow_encoder_batch_patches=spec.flow_encoder_batch_patches)
     except LayoutError as exc:  # the section's own checks come first; this is a safety net
         raise ScheduleError(f"{path}: decoupled: {exc}") from None
 

@@ -122,6 +122,8 @@ def main() -> None:
     from mindspeed_flow.adapters.megatron import decoupled_step
     result["pool_backend"] = decoupled_step.STATE.backend
     result["pool_name"] = decoupled_step.STATE.pool_name
+    from mindspeed_flow.adapters.megatron import decoupled_flow
+    result["flow"] = decoupled_flow.FLOW.last  # the flow's groupings and transfers (test_real_job_flow)
     decoupled_step.close()
     torch.distributed.barrier()
     Path(driver.rank_path("result")).write_text(json.dumps(result))

@@ -1,0 +1,173 @@
+"""FlowTrain's flow in Megatron's / MindSpeed-MM's job: the decoupled layout with ``flow: true``.
+
+The lockstep decoupled step (:mod:`.decoupled_step`) has encoder replica ``m % encoder_dp``
+encode exactly LLM microbatch ``m`` and put it whole.  Under the flow, one step on a slice:
+
+- every rank of the slice reads the step's ``N`` microbatches from its data iterator (the
+  plugin's loader hands every rank of a slice its first stage's packs) and cuts them into
+  the same samples (:class:`~mindspeed_flow.adapters.mindspeed_mm.flow_batches.StepBatches`);
+  :func:`~mindspeed_flow.flow.packed.group_packed` keeps the microbatches as the backbone's
+  and cuts the samples with images, in the order the backbone needs them, into the
+  encoder's batches by the encoder's own cost (ViT patches, ``flow_encoder_batch_patches``
+  per batch): the two groupings differ;
+- the encoder rank is an :class:`~mindspeed_flow.flow.EmbeddingProducer`: it runs MindSpeed-MM's
+  ``forward_step`` on each of its batches (the ViT + projector of ``VLMModel``) and puts one
+  pool entry per sample (``flow/step<n>/act/<id>``); a trainable ViT then takes each
+  sample's embedding gradient back and runs a batch's backward once all its samples' are in
+  (within the step: its weights change at the step boundary);
+- the backbone runs its pipeline's plain 1F1B (:func:`~mindspeed_flow.flow.backbone_plan`)
+  on the runtime's executor over Megatron's pipeline group (the backbone's ranks only); its
+  first stage's feed takes each microbatch's samples' embeddings by key right before the
+  microbatch's forward (:class:`~mindspeed_flow.flow.EmbeddingConsumer`) and hands them to
+  ``VLMModel`` (``set_input_tensor``), whose backward puts each sample's gradient back.
+
+The step ends as the lockstep one does: the slice's loss dicts and token count broadcast
+from its last stage, then Megatron's ``finalize_model_grads``.  Same samples, same loss,
+same gradients as the lockstep step; only the encoder's grouping differs.
+
+What it does not run yet is refused at start-up (:func:`check_supported`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mindspeed_flow.decoupled import LayoutError
+from mindspeed_flow.schedule.regions import BACKBONE_REGION
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FlowState:
+    """Across steps: the flow's step count (keys ``flow/step<n>/...``; every rank of a slice
+    calls the step as often), the backbone pipeline's executor, and what this rank did in
+    the latest step (``last``: the two groupings' sample ids; the encoder's forwards and
+    backwards, the first stage's samples taken and gradients put), for tests and logs."""
+
+    steps: int = 0
+    executor: Any = None
+    last: dict | None = None
+
+
+FLOW = FlowState()
+
+
+def check_supported(layout: Any, args: Any = None, source: str = "the decoupled layout") -> None:
+    """Refuse (:class:`LayoutError`, naming ``source`` and each reason) a flow layout this
+    version does not run: several encoder replicas per slice or backbone replicas, tensor
+    parallelism in either role (only one encoder rank per slice and one backbone pipeline
+    are checked in Megatron's job), virtual pipeline stages."""
+    reasons = []
+    if layout.encoder_dp > 1:
+        reasons.append(f"encoder dp {layout.encoder_dp * layout.backbone_dp} (several encoder replicas per slice: "
+                       "their share of the encoder batches and their gradient sum are not wired to Megatron's DDP)")
+    if layout.backbone_dp > 1:
+        reasons.append(f"backbone dp {layout.backbone_dp} (one slice per job is what is checked)")
+    if layout.encoder_tp > 1 or layout.backbone_tp > 1:
+        reasons.append(f"tensor parallelism (encoder tp {layout.encoder_tp}, backbone tp {layout.backbone_tp}: the "
+                       "per-sample entries are read and written by one rank per role)")
+    if args is not None and getattr(args, "virtual_pipeline_model_parallel_size", None):
+        reasons.append("virtual pipeline stages (the backbone runs one model chunk per rank)")
+    if reasons:
+        raise LayoutError(f"{source}: decoupled.flow does not run here yet: " + "; ".join(reasons))
+
+
+def image_token_id() -> int:
+    """The image token of MindSpeed-MM's model config (``img_context_token_id``)."""
+    from megatron.training import get_args
+
+    model = get_args().mm.model
+    token = getattr(model, "img_context_token_id", None)
+    if token is None:
+        token = getattr(model, "image_token_id", None)
+    if token is None:
+        raise LayoutError("decoupled.flow: the model config has no img_context_token_id to find each sample's "
+                          "image tokens")
+    return int(token)
+
+
+def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[Any, Any]:
+    """This step's samples and grouping, from its ``num_microbatches`` microbatches (read now)."""
+    from mindspeed_flow.adapters.mindspeed_mm.flow_batches import StepBatches
+    from mindspeed_flow.flow import EncoderCost
+    from mindspeed_flow.flow.packed import group_packed
+
+    batches = [next(iterator) for _ in range(num_microbatches)]
+    samples = StepBatches(FLOW.steps, batches, image_token_id())
+    FLOW.steps += 1
+    grouping = group_packed(samples.metas, samples.microbatches, encoder_cost=EncoderCost(linear=1.0),
+                            encoder_budget=float(layout.flow_encoder_batch_patches), pp=layout.backbone_pp)
+    return samples, grouping
+
+
+def produce(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *,
+            trainable: bool, timeout_s: float) -> Any:
+    """The encoder rank's step: its batches encoded and put per sample; a trainable ViT's
+    backwards as the gradients come back.  Returns the producer's stats."""
+    from mindspeed_flow.flow import EmbeddingProducer
+
+    def encode(metas: Any) -> Any:
+        output, _ = forward_step_func(iter([samples.encoder_input(metas)]), model)
+        return output.reshape(-1, output.shape[-1])
+
+    producer = EmbeddingProducer(pool, encode, replica=0, trainable=trainable, timeout_s=timeout_s)
+    producer.forward(grouping)
+    if trainable:
+        producer.backward(grouping)
+    FLOW.last = {**_groups(grouping), "forwards": len(producer.stats.forwards),
+                 "backwards": len(producer.stats.backwards)}
+    log.info("mindspeed-flow flow: step %d: LLM microbatches %s, encoder batches %s (sample ids)",
+             samples.step, [list(mb) for mb in grouping.microbatches], [list(b) for b in grouping.batches])
+    return producer.stats
+
+
+def consume(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *, stage: int,
+            trainable: bool, timeout_s: float, run: Callable[..., Any]) -> Any:
+    """A backbone stage's step: its pipeline's 1F1B over the loader's microbatches, the first
+    stage's embeddings taken per sample from the pool.  ``run(plan, forward_step, bindings)``
+    runs the executor (the caller holds Megatron's gradient-sync contract); returns its result."""
+    from mindspeed_flow.flow import EmbeddingConsumer, backbone_plan, stage_feed
+    from mindspeed_flow.runtime import Binding
+    from mindspeed_flow.runtime.step import set_input_tensor
+
+    consumer = None
+    if stage == 0:
+        device = next(model.parameters()).device
+        consumer = EmbeddingConsumer(pool, trainable=trainable, device=device, timeout_s=timeout_s)
+    feed = zip(stage_feed(grouping, 0, consumer), samples.batches)
+
+    def forward_step(data_iterator: Any, chunk: Any) -> Any:
+        item, batch = next(data_iterator)
+        if item.embeddings is not None:  # the first stage: the samples' embeddings, in the pack's order
+            set_input_tensor(chunk, [item.embeddings.reshape(-1, 1, item.embeddings.shape[-1])])
+        return forward_step_func(iter([batch]), chunk)
+
+    result = run(backbone_plan(grouping), forward_step, {(BACKBONE_REGION, stage): Binding(model, feed)})
+    FLOW.last = _groups(grouping)
+    if consumer is not None:
+        consumer.finish(grouping, 0)
+        FLOW.last.update(taken=len(consumer.stats.taken), grads_put=len(consumer.stats.grads_put))
+    return result
+
+
+def _groups(grouping: Any) -> dict:
+    return {"step": grouping.step, "microbatches": [list(mb) for mb in grouping.microbatches],
+            "batches": [list(b) for b in grouping.batches]}
+
+
+def backbone_executor(layout: Any, rank: int, options: Any) -> Any:
+    """The executor of this backbone rank's pipeline (Megatron's pipeline group: under the
+    decoupled layout, the backbone's stages only)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from mindspeed_flow.runtime import Executor
+
+    if FLOW.executor is None:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        FLOW.executor = Executor(ranks.index(rank), ranks, group, options=options)
+    return FLOW.executor
