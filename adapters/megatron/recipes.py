@@ -12,7 +12,9 @@ Per-module clipping runs right after ``ChainedOptimizer.prepare_grads`` (what
 ready and before the global norm.  Parameters are named by the group wrapper above
 (``_flow_name``), and main parameters are traced back to them through the mixed-precision
 optimizer's own group lists.  The distributed optimizer is refused (its shards are not
-whole parameters; not supported in this version).
+whole parameters; not supported in this version).  FSDP2's sharded parameters (MindSpeed-MM's
+``pretrain_transformers.py`` with ``use_torch_fsdp2``, where Megatron's optimizer holds the
+``DTensor`` parameters) are clipped by their shards, the norms summed over the shards' group.
 
 The settings are the config tree's recipe options (command line over ``MINDSPEED_FLOW_FLAGS``,
 :func:`mindspeed_flow.activation.flow_config`), read when ``validate_args`` has run (checked
@@ -31,8 +33,8 @@ from mindspeed_flow.activation import flow_config
 from mindspeed_flow.recipes.loss_weighting import LossWeightingConfig, loss_weighting_settings
 from mindspeed_flow.recipes.module_clip import clip_grads_per_module
 from mindspeed_flow.recipes.module_lr import (
-    ModuleLR, RecipeConfigError, describe, grad_clip_settings, module_lr, module_lr_settings, split_param_groups,
-    strip_wrappers,
+    ModuleLR, RecipeConfigError, describe, describe_groups, grad_clip_settings, module_lr, module_lr_settings,
+    split_param_groups, strip_wrappers,
 )
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,17 @@ def param_groups_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: 
     named = list(itertools.chain.from_iterable(chunk.named_parameters() for chunk in chunks))
     for name, param in named:
         setattr(param, NAME_ATTR, strip_wrappers(name))
-    return split_param_groups(groups, named, current_settings())
+    settings = current_settings()
+    split = split_param_groups(groups, named, settings)
+    if any(not s.is_identity for s in settings) and _is_first_rank():
+        log.info("mindspeed-flow recipes: optimizer param groups by module: %s", describe_groups(split, settings))
+    return split
+
+
+def _is_first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def model_and_main_params(optimizer: Any) -> list[tuple[Any, Any]]:
@@ -113,6 +125,12 @@ def prepare_grads_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
         raise RecipeConfigError(f"--flow-module-grad-clip: {len(unnamed)} parameter(s) (first of shape "
                                 f"{unnamed[0]}) were not grouped by megatron.core.optimizer._get_param_groups")
     model_of = {id(main): model for model, main in pairs}
+    # FSDP2 (pretrain_transformers.py): DTensor parameters, their gradients sharded over a group
+    from megatron.core.utils import get_data_parallel_group_if_dtensor
+
+    shard_group = None
+    for model, _ in pairs:
+        shard_group = get_data_parallel_group_if_dtensor(model, shard_group)
 
     def counts(main: Any) -> bool:
         model = model_of[id(main)]
@@ -120,7 +138,11 @@ def prepare_grads_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
 
     instance.flow_module_grad_norms = clip_grads_per_module(
         [(getattr(model, NAME_ATTR), main) for model, main in pairs], max_norms,
-        group=instance.get_grad_stats_parallel_group(), counts_for_norm=counts)
+        group=instance.get_grad_stats_parallel_group(), counts_for_norm=counts, shard_group=shard_group)
+    clipped = {m: n for m, n in instance.flow_module_grad_norms.items() if n > max_norms[m]}
+    if clipped and _is_first_rank():
+        log.info("mindspeed-flow recipes: clipped module gradients (norm before > max): %s",
+                 ", ".join(f"{m} {n:.4g} > {max_norms[m]:g}" for m, n in sorted(clipped.items())))
     log.debug("mindspeed-flow module grad norms: %s", instance.flow_module_grad_norms)
     return found_inf
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 
-from .module_lr import MODULE_PREFIXES
+from .module_lr import MODULE_PREFIXES, TRANSFORMERS_MODULE_PREFIXES
 
 
 def add_recipe_arguments(group: argparse._ArgumentGroup) -> None:
-    names = ", ".join(MODULE_PREFIXES)
+    names = (f"pretrain_vlm.py: {', '.join(MODULE_PREFIXES)}; "
+             f"pretrain_transformers.py: {', '.join(TRANSFORMERS_MODULE_PREFIXES)}")
     group.add_argument("--flow-module-lr", nargs="+", default=None, metavar="PREFIX=MULT",
-                       help=f"learning-rate multiplier per parameter-name prefix ({names}); implies --flow-recipes")
+                       help=f"learning-rate multiplier (>= 0) per parameter-name prefix ({names}); implies --flow-recipes")
     group.add_argument("--flow-module-lr-warmup", nargs="+", default=None, metavar="PREFIX=STEPS",
                        help="an own linear warm-up (steps) per prefix, on top of the schedule; implies --flow-recipes")
     group.add_argument("--flow-module-grad-clip", nargs="+", default=None, metavar="PREFIX=MAX_NORM",

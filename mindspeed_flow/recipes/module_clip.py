@@ -10,6 +10,10 @@ Megatron reduces its global norm over: the model-parallel group for the plain op
 where data-parallel replicas hold equal gradients; the whole world for the distributed
 one).  ``counts_for_norm`` leaves out parameters that another rank also holds (tensor-
 parallel duplicates), as Megatron does; their gradients are still scaled.
+
+Gradients sharded by FSDP2 (``DTensor``, ``pretrain_transformers.py`` with
+``use_torch_fsdp2``) count by their local shard; the sums are first all-reduced over
+``shard_group``, the group the shards are spread over, as Megatron's own norm does for them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .module_lr import owning_prefix
 
@@ -27,11 +32,13 @@ EPS = 1e-6
 @torch.no_grad()
 def clip_grads_per_module(named_params: Iterable[tuple[str, torch.Tensor]], max_norms: Mapping[str, float],
                           group: dist.ProcessGroup | None = None,
-                          counts_for_norm: Callable[[torch.Tensor], bool] = lambda p: True) -> dict[str, float]:
+                          counts_for_norm: Callable[[torch.Tensor], bool] = lambda p: True,
+                          shard_group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Clip each module's gradients to its maximum norm in place; returns the norms before.
 
     Every rank must call this with the same ``max_norms`` (one collective, modules in sorted
-    order), also a rank that holds none of a module's parameters.
+    order; one more over ``shard_group`` when given), also a rank that holds none of a
+    module's parameters.
     """
     modules = sorted(max_norms)
     index = {m: i for i, m in enumerate(modules)}
@@ -42,9 +49,13 @@ def clip_grads_per_module(named_params: Iterable[tuple[str, torch.Tensor]], max_
         module = owning_prefix(name, modules)
         if grad is None or module is None:
             continue
+        if isinstance(grad, DTensor):
+            grad = grad.to_local()
         members[index[module]].append(grad)
         if counts_for_norm(param):
             sums[index[module]] += grad.detach().double().pow(2).sum()
+    if shard_group is not None:
+        dist.all_reduce(sums, group=shard_group)
     if group is not None or (dist.is_available() and dist.is_initialized()):
         dist.all_reduce(sums, group=group)
     norms = sums.sqrt()

@@ -1,7 +1,11 @@
 """Per-module learning rates: a multiplier and an optional own linear warm-up per module.
 
-A module is a parameter-name prefix (MindSpeed-MM's ``image_encoder.encoder``,
-``image_encoder.projector``, ``text_decoder``).  Megatron builds the optimizer's param
+A module is a parameter-name prefix: MindSpeed-MM's ``VLMModel`` (``pretrain_vlm.py``) has
+``image_encoder.encoder``, ``image_encoder.projector``, ``text_decoder``; its
+``TransformersModel`` (``pretrain_transformers.py``, e.g. Qwen3-VL) holds the Hugging Face model
+as ``model``: ``model.model.visual`` (ViT, with ``model.model.visual.merger`` and
+``model.model.visual.deepstack_merger_list``), ``model.model.language_model``, ``model.lm_head``.
+A multiplier of 0 stops a module's updates (its learning rate is 0; it still gets gradients).  Megatron builds the optimizer's param
 groups; :func:`split_param_groups` splits each of them into one group per configured
 module and tags it, and :func:`module_lr` turns the schedule's learning rate into the
 module's::
@@ -23,6 +27,8 @@ import torch
 from .errors import RecipeConfigError
 
 MODULE_PREFIXES = ("image_encoder.encoder", "image_encoder.projector", "text_decoder")
+# TransformersModel's (pretrain_transformers.py, Qwen3-VL) main parts
+TRANSFORMERS_MODULE_PREFIXES = ("model.model.visual", "model.model.language_model", "model.lm_head")
 MODULE_KEY = "flow_module"
 MULT_KEY = "flow_lr_mult"
 WARMUP_KEY = "flow_lr_warmup_steps"
@@ -66,8 +72,8 @@ def parse_assignments(entries: Sequence[str] | None, flag: str, cast: Callable[[
 
 def module_lr_settings(mults: Sequence[str] | None, warmups: Sequence[str] | None) -> tuple[ModuleLR, ...]:
     """The settings of ``--flow-module-lr`` and ``--flow-module-lr-warmup``."""
-    mult = parse_assignments(mults, "--flow-module-lr", float, lambda v: v > 0 and v == v and v != float("inf"),
-                             "a positive finite number")
+    mult = parse_assignments(mults, "--flow-module-lr", float, lambda v: v >= 0 and v != float("inf"),
+                             "a finite number >= 0")
     warm = parse_assignments(warmups, "--flow-module-lr-warmup", int, lambda v: v >= 0, "an integer >= 0")
     prefixes = list(dict.fromkeys([*mult, *warm]))
     return tuple(ModuleLR(p, mult.get(p, 1.0), warm.get(p, 0)) for p in prefixes)
@@ -115,6 +121,20 @@ def split_param_groups(groups: list[dict[str, Any]], named_parameters: Iterable[
                 part.update({MODULE_KEY: setting.prefix, MULT_KEY: setting.mult, WARMUP_KEY: setting.warmup_steps})
             result.append(part)
     return result
+
+
+def describe_groups(groups: Sequence[dict[str, Any]], settings: Sequence[ModuleLR]) -> str:
+    """Each configured module's share of split param groups, in words: its multiplier and how
+    many parameter tensors it got (0: its prefix names no parameter of this rank's model)."""
+    counts = {s.prefix: 0 for s in settings if not s.is_identity}
+    for group in groups:
+        if MODULE_KEY in group:
+            counts[group[MODULE_KEY]] += len(group["params"])
+    parts = []
+    for setting in settings:
+        if not setting.is_identity:
+            parts.append(f"{setting.prefix} x{setting.mult:g} ({counts[setting.prefix]} tensors)")
+    return ", ".join(parts)
 
 
 def module_lr(schedule_lr: float, group: dict[str, Any], step: int) -> float:

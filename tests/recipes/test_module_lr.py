@@ -15,7 +15,7 @@ from megatron_param_groups import megatron_param_groups
 from mindspeed_flow.adapters.megatron import recipes as megatron_core_recipes
 from mindspeed_flow.patches import recipes as recipes_patches
 from mindspeed_flow.patching import PatchRegistry
-from mindspeed_flow.recipes.module_lr import MODULE_KEY, RecipeConfigError, module_lr_settings
+from mindspeed_flow.recipes.module_lr import MODULE_KEY, RecipeConfigError, describe_groups, module_lr_settings
 
 MAX_LR, MIN_LR, WARMUP, DECAY, STEPS = 1e-2, 1e-4, 3, 12, 8
 
@@ -106,10 +106,24 @@ def test_a_multiplier_changes_the_run():
     assert not torch.equal(scaled.text_decoder[0].weight, plain.text_decoder[0].weight)
 
 
+def test_a_zero_multiplier_stops_the_module_and_nothing_else():
+    """``--flow-module-lr PREFIX=0``: the module's learning rate is 0 every step (AdamW's
+    decoupled weight decay scales with it), so its weights stay as built; the others train."""
+    frozen, groups = train(["image_encoder.encoder=0"], None, patched=True)
+    initial = TinyVLM()
+    for name, value in initial.image_encoder.encoder.state_dict().items():
+        assert torch.equal(frozen.image_encoder.encoder.state_dict()[name], value), name
+    assert {g["lr"] for g in groups if g.get(MODULE_KEY) == "image_encoder.encoder"} == {0.0}
+    assert not torch.equal(frozen.text_decoder[0].weight, initial.text_decoder[0].weight)
+    settings = module_lr_settings(["image_encoder.encoder=0", "vit=0.5", "text_decoder=1"], None)
+    assert describe_groups(groups, settings) == "image_encoder.encoder x0 (2 tensors), vit x0.5 (0 tensors)"
+
+
 @pytest.mark.parametrize("mults, warmups, message", [
     (["text_decoder"], None, "--flow-module-lr: 'text_decoder' is not PREFIX=VALUE"),
-    (["text_decoder=-1"], None, "value must be a positive finite number"),
-    (["text_decoder=abc"], None, "'abc' is not a positive finite number"),
+    (["text_decoder=-1"], None, "value must be a finite number >= 0"),
+    (["text_decoder=inf"], None, "value must be a finite number >= 0"),
+    (["text_decoder=abc"], None, "'abc' is not a finite number >= 0"),
     (None, ["text_decoder=1.5"], "--flow-module-lr-warmup: 'text_decoder=1.5'"),
     (["text_decoder=1", "text_decoder=2"], None, "module 'text_decoder' given twice"),
 ])
