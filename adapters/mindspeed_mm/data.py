@@ -21,7 +21,10 @@ With ``--flow-packing``:
   (``args.iteration > 0``) the loader resumes from the state saved beside that checkpoint.
 - ``build_iterations`` wraps it in :class:`FlowTrainIterator`: epochs one after the other,
   each microbatch recorded for the consumed-samples accounting
-  (:mod:`mindspeed_flow.data.accounting`).
+  (:mod:`mindspeed_flow.data.accounting`).  Under ``pretrain_transformers.py`` (MindSpeed-MM's
+  ``TransformersModel``, Qwen3-VL) each pack is handed over in that model's ``seqlens`` /
+  ``indices`` layout (:mod:`.transformers_batch`); the loader cuts images in the geometry of the
+  job's processor either way.
 - ``get_forward_backward_func`` returns the schedule wrapped by :func:`forward_backward_handoff`:
   before the schedule's first transfer, every rank of the replica takes part in one
   collective that moves the step's batches from the decoding rank to its TP/PP peers
