@@ -1,4 +1,4 @@
-"""The flow's runtime on real gloo processes and a real ``shm`` pool: two encoder replicas
+"""The flow's runtime on real gloo processes and a real ``shm`` (and ``torch``) pool: two encoder replicas
 (:class:`EmbeddingProducer`) put one entry per sample, the backbone (plain PyTorch tiny VLM,
 :mod:`tiny_vlm`) runs each replica's microbatches through the :class:`Executor`'s 1F1B with
 its first stage taking the embeddings by sample (:class:`EmbeddingConsumer`).
@@ -13,7 +13,9 @@ Against one process running the same step's samples one at a time (per-token ste
   most 3 entries in flight), the step still equals the reference;
 - a frozen producer runs ahead: the backbone holds its last step-0 microbatch until step 1's
   first embeddings of every producer are in the pool, so the step can only end if the
-  producers encoded into step 1 before the backbone finished step 0; each batch is encoded once.
+  producers encoded into step 1 before the backbone finished step 0; each batch is encoded once;
+- the ``torch`` pool backend (point-to-point over gloo, the index in the job's store)
+  instead of ``shm``: the trainable step's parity and sample checks hold on it too.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Scenario:
     capacity: int = LARGE
     max_in_flight: int | None = None
     hold: bool = False
+    backend: str = "shm"  # the pool's: shm (one node's processes) or torch (point-to-point over gloo)
 
 
 def _config():
@@ -210,7 +213,8 @@ def _run_scenario(rank: int, ranks: FlowRanks, sc: Scenario, pool_name: str, enc
 
     role = ranks.role(rank)
     groupings = [grouping(step, ranks.dp, ranks.pp) for step in range(sc.steps)]
-    pool = open_pool("shm", capacity_bytes=sc.capacity, name=pool_name, owner=f"rank{rank}", timeout_s=60)
+    owner = {"owner": f"rank{rank}"} if sc.backend == "shm" else {}  # the torch pool names its owner itself
+    pool = open_pool(sc.backend, capacity_bytes=sc.capacity, name=pool_name, timeout_s=60, **owner)
     if role.region == "vit":
         out = _produce(pool, role.replica, sc, groupings, encoder_group, all_reduce_flat_grads)
     else:
@@ -287,7 +291,8 @@ def _hold_last(feed, count: int, pool, next_step):
 # --------------------------------------------------------------------------- the runs
 
 SCENARIOS = [Scenario("trainable", frozen=False), Scenario("frozen", frozen=True, steps=2, hold=True),
-             Scenario("pressure", frozen=False, capacity=512, max_in_flight=3)]
+             Scenario("pressure", frozen=False, capacity=448, max_in_flight=3),
+             Scenario("torch-pool", frozen=False, backend="torch")]
 LAYOUTS = {"pp1xdp2": (1, 2), "pp2xdp1": (2, 1)}
 
 
