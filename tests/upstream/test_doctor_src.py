@@ -23,6 +23,22 @@ PLANTED = {
     "megatron/core/transformer/dot_product_attention.py": (
         "    def forward(", "    def forward_renamed(",
         "megatron.core.transformer.dot_product_attention:DotProductAttention.forward"),
+    "mindspeed_mm/models/transformers/qwen3vl/modules.py": (
+        "class Qwen3VLVisionPatchEmbed(", "class Qwen3VLVisionPatchEmbedRenamed(",
+        "mindspeed_mm.models.transformers.qwen3vl.modules:Qwen3VLVisionPatchEmbed.__init__"),
+}
+# What --use-flowtrain patches on pretrain_transformers.py's path (the Qwen3-VL recipes), by
+# feature: (module the entry script, its model or its training loop reaches the target through,
+# target).  The conv_matmul and recipes rows are the plugin's own on this path; packing's are the
+# data targets pretrain_transformers.py imports by name.
+TRANSFORMERS_PATH = {
+    "conv_matmul": ["mindspeed_mm.models.transformers.qwen3vl.modules:Qwen3VLVisionPatchEmbed.__init__"],
+    "recipes": ["megatron.core.optimizer:_get_param_groups",
+                "megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.get_lr",
+                "megatron.core.optimizer.optimizer:ChainedOptimizer.prepare_grads",
+                "megatron.training.arguments:validate_args"],
+    "packing": ["mindspeed_mm.data:build_mm_dataset", "mindspeed_mm.data:build_mm_dataloader",
+                "mindspeed_mm.data.data_utils.utils:build_iterations"],
 }
 
 
@@ -59,3 +75,28 @@ def test_a_planted_rename_is_reported_missing_with_a_nonzero_exit(tmp_path):
         assert rows[target]["failure"]
     others = [t for t, r in rows.items() if r["failure"] and t not in {p[2] for p in PLANTED.values()}]
     assert others == []
+
+
+def imported_names(path: Path) -> set[str]:
+    """``module:name`` for every ``from module import name`` of a source file (``.module`` when relative)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return {f"{'.' * node.level}{node.module}:{alias.name}" for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) for alias in node.names}
+
+
+def test_the_targets_of_the_transformers_path_are_declared_and_found():
+    """Every target --use-flowtrain needs on pretrain_transformers.py is a declared patch of its
+    feature, found in the pinned sources; the packing targets are the names the entry script
+    imports, and the Qwen3-VL patch embedding is the one its model builds."""
+    src = upstream_sources()
+    proc = doctor(src.mindspeed_mm, src.mindspeed, src.megatron_lm)
+    rows = {(r["feature"], r["target"]): r for r in json.loads(proc.stdout)}
+    for feature, targets in TRANSFORMERS_PATH.items():
+        for target in targets:
+            assert rows[(feature, target)]["status"] == "found", rows.get((feature, target))
+    entry_imports = imported_names(src.mindspeed_mm / "pretrain_transformers.py")
+    assert set(TRANSFORMERS_PATH["packing"]) <= entry_imports
+    model = src.mindspeed_mm / "mindspeed_mm" / "models" / "transformers" / "qwen3vl" / "modeling_qwen3_vl.py"
+    assert ".modules:Qwen3VLVisionPatchEmbed" in imported_names(model)  # qwen3vl/modules.py, the target's module
