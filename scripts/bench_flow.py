@@ -5,23 +5,31 @@ Compute is *injected* time, as in ``scripts/bench_decoupled.py`` (its ``Busy`` s
 4 ranks do not share the 2 cores): an image of ``p`` ViT patches costs ``--vit-us`` us per
 patch forward, an LLM microbatch ``a*sum(l) + b*sum(l^2)`` (``--llm-us``, ``--llm-quad-ns``),
 backwards twice their forward (a frozen ViT none).  Image sizes are drawn from a heavy-tailed
-(Pareto) distribution, fresh for every step, the same draws for every layout.
+(Pareto) distribution, fresh for every step, the same draws for every layout.  The default
+workload is LLM-heavy; ``--vit-us 100`` makes the ViT the larger side (FlowTrain's regime).
 
 Layouts, 4 ranks each:
-- ``flow``: 2 encoder replicas (producers, one pool entry per sample, batches of at most
-  ``--encoder-patches`` patches) + the backbone PP=2 x DP=1 (``mindspeed_flow.flow`` runtime);
-  a frozen ViT runs ahead into the next step (``run_ahead``), as in ``mindspeed-flow train``;
+- ``flow``: the encoder replicas (producers, one pool entry per sample, batches of at most
+  ``--encoder-patches`` patches) + the backbone ``--backbone PPxDP`` (default 2x1; the
+  encoder gets the other ranks) (``mindspeed_flow.flow`` runtime); a frozen ViT runs ahead
+  into the next step (``run_ahead``), as in ``mindspeed-flow train``;
 - ``lockstep``: the same ranks as today's decoupled step (``mindspeed_flow.decoupled``):
-  encoder replica ``m % 2`` encodes exactly LLM microbatch ``m``;
+  in each backbone replica's slice, encoder replica ``m % E`` encodes exactly LLM microbatch ``m``;
 - ``stage0-pp2`` (PP=2 x DP=2) and ``stage0-pp1`` (PP=1 x DP=4): the ViT inside stage 0,
   the baseline at its best of the two.
-Every layout trains the same LLM microbatches (``group_step``'s, packed by the LLM's cost).
-The simulator's prediction: ``compose_flow`` + ``simulate`` (flow; one step, so a frozen
-ViT's running ahead across steps is not in it), ``DecoupledLayout.plan`` + ``simulate``
+Every layout trains the same LLM microbatches (``group_step``'s, packed by the LLM's cost;
+backbone replica ``d`` trains those ``group_step`` dealt to replica ``d``).
+The simulator's prediction: ``compose_flow`` + ``simulate`` (trainable flow, per step),
+``compose_flow_steps`` of the whole run (frozen flow: the producers running ahead; the
+warm-up step's end subtracted), ``DecoupledLayout.plan`` + ``simulate`` per slice
 (lockstep), ``compose`` of the ViT-in-stage-0 pipeline + ``simulate`` (stage0-pp2), and the
-replicas' summed compute (stage0-pp1, no pipeline).
+replicas' summed compute (stage0-pp1, no pipeline).  Pool gets cost a fixed per-transfer
+time measured here first (``transfer_overhead``: announce, put, ready, get, release of one
+small entry through the ``shm`` pool) plus their bytes; the flow's per sample, lockstep's
+per microbatch.
 
     python scripts/bench_flow.py                 # trainable and frozen ViT; PNG + JSON under outputs/bench_flow/
+    python scripts/bench_flow.py --vit-us 100 --backbone 1x2 --out outputs/bench_flow_vit
 """
 
 from __future__ import annotations
@@ -43,14 +51,17 @@ from bench_decoupled import Busy, launch  # noqa: E402 - the same injected compu
 
 from mindspeed_flow.decoupled import DecoupledLayout  # noqa: E402
 from mindspeed_flow.flow import (EmbeddingConsumer, EmbeddingProducer, EncoderCost, FlowRanks,  # noqa: E402
-                                 SampleMeta, backbone_plan, compose_flow, flow_costs, group_step, stage_feed)
+                                 SampleMeta, StepNumbering, backbone_plan, compose_flow, compose_flow_steps, flow_costs,
+                                 group_step, stage_feed)
 from mindspeed_flow.packing import CostModel  # noqa: E402
 from mindspeed_flow.runtime import Binding, Executor, LossRules  # noqa: E402
 from mindspeed_flow.schedule import OneFOneB, Region, compose, simulate  # noqa: E402
-from mindspeed_flow.schedule.costs import CostTable, RegionCost  # noqa: E402
+from mindspeed_flow.schedule.costs import CostTable, Link, RegionCost  # noqa: E402
+from mindspeed_flow.schedule.gantt import draw  # noqa: E402
 
 DIM = 16
 ROWS = 8
+WORLD = 4
 LAYOUTS = ("flow", "lockstep", "stage0-pp2", "stage0-pp1")
 
 
@@ -77,11 +88,28 @@ def models(args: argparse.Namespace) -> tuple[CostModel, EncoderCost]:
             EncoderCost(linear=args.vit_us * 1e-6))
 
 
+def shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(encoder replicas, backbone PP, backbone DP) of the flow and lockstep layouts on 4 ranks."""
+    pp, dp = (int(x) for x in args.backbone.split("x"))
+    encoders = WORLD - pp * dp
+    if encoders < 1 or encoders % dp:
+        raise SystemExit(f"--backbone {args.backbone}: leaves {encoders} of {WORLD} ranks for the encoder, "
+                         f"not a positive multiple of DP={dp} (lockstep: encoder replicas per backbone replica)")
+    return encoders, pp, dp
+
+
 def grouping(args: argparse.Namespace, step: int):
     llm, encoder = models(args)
+    encoders, pp, dp = shape(args)
     return group_step(step_samples(args, step), capacity=args.capacity, llm_cost=llm, encoder_cost=encoder,
                       encoder_budget=encoder.cost([SampleMeta(0, 0, 1, 0, (args.encoder_patches,))]),
-                      encoder_replicas=2, dp=1, pp=2, microbatches=args.microbatches)
+                      encoder_replicas=encoders, dp=dp, pp=pp, microbatches=args.microbatches)
+
+
+def decoupled(args: argparse.Namespace) -> DecoupledLayout:
+    """Today's lockstep decoupled layout on the same ranks as the flow."""
+    encoders, pp, dp = shape(args)
+    return DecoupledLayout(encoder_dp=encoders // dp, backbone_pp=pp, backbone_dp=dp, max_ahead=args.microbatches)
 
 
 def seconds(args: argparse.Namespace, g) -> tuple[list[float], list[float]]:
@@ -154,9 +182,10 @@ def _flow_rank(rank, args, layout, frozen, name, groupings):
 
     from mindspeed_flow.pool import open_pool
 
-    ranks = FlowRanks(2, 1, 2)
+    encoders, pp, dp = shape(args)
+    ranks = FlowRanks(encoders, dp, pp)
     region, replica, stage = ranks.role(rank)
-    pipeline = dist.new_group(ranks.pipeline(0))
+    pipelines = [dist.new_group(ranks.pipeline(d)) for d in range(dp)]
     pool = open_pool("shm", capacity_bytes=args.pool_mb << 20, name=name, owner=f"rank{rank}", timeout_s=120)
     llm, encoder = models(args)
     dist.barrier()
@@ -182,10 +211,10 @@ def _flow_rank(rank, args, layout, frozen, name, groupings):
             dist.barrier()
             pool.close()
     else:
-        chunk = Chunk(lambda item: llm.cost([s.llm_tokens for s in groupings[item.step].metas(item.sample_ids)]) / 2,
+        chunk = Chunk(lambda item: llm.cost([s.llm_tokens for s in groupings[item.step].metas(item.sample_ids)]) / pp,
                       reads_input=True)
         consumer = EmbeddingConsumer(pool, trainable=not frozen, timeout_s=120) if stage == 0 else None
-        executor = Executor(stage, ranks.pipeline(0), group=pipeline)
+        executor = Executor(stage, ranks.pipeline(replica), group=pipelines[replica])
 
         def flow_forward_step(data_iterator, model):
             item = next(data_iterator)
@@ -195,10 +224,11 @@ def _flow_rank(rank, args, layout, frozen, name, groupings):
 
         def step(k):
             g = groupings[k]
-            executor.run(backbone_plan(g), flow_forward_step, {("llm", stage): Binding(chunk, stage_feed(g, 0, consumer))},
+            executor.run(backbone_plan(g), flow_forward_step,
+                         {("llm", stage): Binding(chunk, stage_feed(g, replica, consumer))},
                          loss=LossRules(calculate_per_token_loss=True))
             if consumer is not None:
-                consumer.finish(g, 0)
+                consumer.finish(g, replica)
 
         def close():
             dist.barrier()
@@ -212,21 +242,28 @@ def _lockstep_rank(rank, args, layout, frozen, name, groupings):
 
     from mindspeed_flow.pool import open_pool
 
-    decoupled = DecoupledLayout(encoder_dp=2, backbone_pp=2, backbone_dp=1, max_ahead=args.microbatches)
-    role = decoupled.role(rank)
-    pool = open_pool("shm", capacity_bytes=args.pool_mb << 20, name=name, owner=f"rank{rank}", timeout_s=120)
-    executor = Executor(rank, list(range(4)), pool=pool)
+    layout = decoupled(args)
+    role = layout.role(rank)
+    slices = [dist.new_group(layout.slice_ranks(d)) for d in range(layout.backbone_dp)]
+    replica = layout.replica(rank)
+    pool = open_pool("shm", capacity_bytes=args.pool_mb << 20, name=f"{name}-{replica}", owner=f"rank{rank}",
+                     timeout_s=120)
+    ranks = layout.executor_ranks(rank)
+    executor = Executor(ranks.index(rank), ranks, group=slices[replica], pool=pool)
+    share = args.microbatches // layout.backbone_dp
+    mine = [m for m in range(args.microbatches) if m % layout.backbone_dp == replica]  # the flow's replica's
     current = {}
     vit_s = lambda m: current["vit"][m]  # noqa: E731
-    llm_s = lambda m: current["llm"][m] / 2  # noqa: E731
+    llm_s = lambda m: current["llm"][m] / layout.backbone_pp  # noqa: E731
     module = (Chunk(vit_s, reads_input=False, frozen=frozen) if role.region == "vit"
               else Chunk(llm_s, reads_input=True))
-    plan = decoupled.plan(args.microbatches, trainable_encoder=not frozen)
+    plan = layout.plan(share, trainable_encoder=not frozen)
     dist.barrier()
 
     def step(k):
-        current["vit"], current["llm"] = seconds(args, groupings[k])
-        executor.run(plan, forward_step, {role.binding: Binding(module, iter(range(args.microbatches)))})
+        vit, llm = seconds(args, groupings[k])
+        current["vit"], current["llm"] = [vit[m] for m in mine], [llm[m] for m in mine]
+        executor.run(plan, forward_step, {role.binding: Binding(module, iter(range(share)))})
 
     def close():
         dist.barrier()
@@ -276,19 +313,30 @@ def _stage0_rank(rank, args, layout, frozen, name, groupings):
 
 
 def predicted(args: argparse.Namespace, layout: str, frozen: bool, step: int) -> float:
+    """The simulator's step time of ``step`` (a frozen flow: see :func:`predicted_frozen_flow`)."""
     g = grouping(args, step)
     llm, encoder = models(args)
     vit_f, llm_f = seconds(args, g)
-    vit_cost = RegionCost(forward=1.0, backward_ratio=2.0, input_grad_ratio=0.0 if frozen else 1.0)
+    vit_cost = RegionCost(forward=1.0, backward_ratio=2.0, input_grad_ratio=0.0 if frozen else 1.0,
+                          output_bytes=ROWS * DIM * 4)
+    pool = Link(latency=args.transfer_s)  # one pool transfer's fixed cost, measured by transfer_overhead()
     if layout == "flow":
         plan = compose_flow(g, trainable_encoder=not frozen)
-        return simulate(plan, flow_costs(g, llm_cost=llm, encoder_cost=encoder,
-                                         encoder=vit_cost, backbone=RegionCost(backward_ratio=2.0))).step_time
-    table = CostTable({"vit": vit_cost, "llm": RegionCost(forward=1.0, backward_ratio=2.0)},
+        return simulate(plan, flow_costs(g, llm_cost=llm, encoder_cost=encoder, encoder=vit_cost,
+                                         backbone=RegionCost(backward_ratio=2.0), pool=pool,
+                                         token_bytes=DIM * 4)).step_time
+    table = CostTable({"vit": vit_cost, "llm": RegionCost(forward=1.0, backward_ratio=2.0)}, pool=pool,
                       microbatch_scale=lambda region, m: vit_f[m] if region == "vit" else llm_f[m])
-    if layout == "lockstep":
-        decoupled = DecoupledLayout(encoder_dp=2, backbone_pp=2, backbone_dp=1, max_ahead=args.microbatches)
-        return simulate(decoupled.plan(args.microbatches, trainable_encoder=not frozen), table).step_time
+    if layout == "lockstep":  # each backbone replica's slice: the flow's replica's microbatches
+        lockstep = decoupled(args)
+        dp = lockstep.backbone_dp
+        times = []
+        for d in range(dp):
+            mine = [m for m in range(args.microbatches) if m % dp == d]
+            local = CostTable(table.regions, pool=pool, microbatch_scale=lambda region, m, mine=mine:
+                              vit_f[mine[m]] if region == "vit" else llm_f[mine[m]])
+            times.append(simulate(lockstep.plan(len(mine), trainable_encoder=not frozen), local).step_time)
+        return max(times)
     vit_b = 0.0 if frozen else 2.0
     if layout == "stage0-pp1":
         return max(sum(vit_f[m] * (1 + vit_b) + 3 * llm_f[m] for m in range(args.microbatches) if m % 4 == d)
@@ -307,14 +355,63 @@ def predicted(args: argparse.Namespace, layout: str, frozen: bool, step: int) ->
 # ----------------------------------------------------------------------------- main
 
 
+def predicted_frozen_flow(args: argparse.Namespace, path: Path | None = None) -> float:
+    """A frozen flow's mean measured-step time as the simulator sees it: every step of the run
+    in one plan (:func:`compose_flow_steps`, the producers running ahead into the next step),
+    the warm-up step's end subtracted; ``path``: its Gantt chart."""
+    llm, encoder = models(args)
+    groupings = [grouping(args, step) for step in range(args.steps + 1)]
+    vit_cost = RegionCost(forward=1.0, backward_ratio=2.0, input_grad_ratio=0.0, output_bytes=ROWS * DIM * 4)
+
+    def run(steps):
+        return simulate(compose_flow_steps(steps, trainable_encoder=False),
+                        flow_costs(steps, llm_cost=llm, encoder_cost=encoder, encoder=vit_cost,
+                                   backbone=RegionCost(backward_ratio=2.0), pool=Link(latency=args.transfer_s),
+                                   token_bytes=DIM * 4))
+
+    whole = run(groupings)
+    if path is not None:
+        draw(whole, path, title="frozen flow, simulated (step:group)", text=StepNumbering.of(groupings).label)
+    return (whole.step_time - run(groupings[:1]).step_time) / args.steps
+
+
+def transfer_overhead(args: argparse.Namespace, count: int = 300) -> float:
+    """Seconds of one sample's way through the ``shm`` pool besides its bytes (announce,
+    put, ready, handle, get, release of a ``[1, DIM]`` entry with a sample's metadata), the
+    mean over ``count`` in this process: the simulator's fixed per-transfer cost."""
+    from mindspeed_flow.pool import open_pool
+    from mindspeed_flow.pool.shm import destroy
+
+    name = f"bflow{os.getpid()}-overhead"
+    pool = open_pool("shm", capacity_bytes=1 << 20, name=name, owner="rank0")
+    meta = SampleMeta(0, 0, 8, 1, (4,))
+    row = torch.ones(1, DIM)
+    try:
+        start = time.perf_counter()
+        for i in range(count):
+            key = f"flow/step0/act/{i}"
+            pool.announce([key])
+            pool.put(key, row, meta.to_pool_meta(), timeout=1)
+            if pool.ready(key):
+                pool.get(pool.handle(key, timeout=0))
+                pool.release(key)
+        return (time.perf_counter() - start) / count
+    finally:
+        pool.close()
+        destroy(name)
+
+
 def measure(args: argparse.Namespace, frozen: bool) -> dict:
     rows = {}
     for layout in LAYOUTS:
         name = f"bflow{os.getpid()}-{layout}-{int(frozen)}"
-        ranks = launch(worker, 4, args, layout, frozen, name, timeout_s=600)
+        ranks = launch(worker, WORLD, args, layout, frozen, name, timeout_s=600)
         per_step = [max(r[k] for r in ranks) for k in range(1, args.steps + 1)]  # slowest rank, warm-up left out
-        sim = [predicted(args, layout, frozen, k) for k in range(1, args.steps + 1)]
-        rows[layout] = {"step_s": statistics.mean(per_step), "steps_s": per_step, "simulated_s": statistics.mean(sim)}
+        if layout == "flow" and frozen:
+            simulated = predicted_frozen_flow(args, args.out / "sim_frozen_flow.png")
+        else:
+            simulated = statistics.mean(predicted(args, layout, frozen, k) for k in range(1, args.steps + 1))
+        rows[layout] = {"step_s": statistics.mean(per_step), "steps_s": per_step, "simulated_s": simulated}
     return rows
 
 
@@ -333,14 +430,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
     parser.add_argument("--pool-mb", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--backbone", default="2x1", help="the flow's and lockstep's backbone PPxDP (the encoder "
+                        f"gets the other of the {WORLD} ranks)")
+    parser.add_argument("--vit", choices=("both", "trainable", "frozen"), default="both")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_flow"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     from mindspeed_flow.pool.shm import destroy
 
     results = {}
+    args.transfer_s = transfer_overhead(args)
+    print(f"load: {os.getloadavg()}; one pool transfer's fixed cost: {args.transfer_s * 1e6:.0f} us; "
+          f"flow/lockstep: {shape(args)[0]} encoder ranks + backbone PP={shape(args)[1]} x DP={shape(args)[2]}")
     try:
-        for frozen in (False, True):
+        for frozen in {"both": (False, True), "trainable": (False,), "frozen": (True,)}[args.vit]:
             label = "frozen ViT" if frozen else "trainable ViT"
             rows = measure(args, frozen)
             base = min(rows["stage0-pp2"]["step_s"], rows["stage0-pp1"]["step_s"])
@@ -355,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['speedup_vs_lockstep']:>13.2f}x {row['speedup_vs_best_stage0']:>16.2f}x")
             results[label] = rows
     finally:
-        destroy(f"bflow{os.getpid()}")
+        destroy(f"bflow{os.getpid()}")  # every pool of this run: the name is a prefix
     (args.out / "bench_flow.json").write_text(json.dumps({"config": {k: str(v) if isinstance(v, Path) else v
                                                                      for k, v in vars(args).items()},
                                                           "results": results}, indent=1))
