@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Step time of MindSpeed-MM's real job under three layouts, in one run: upstream's co-located
+"""Step time of MindSpeed-MM's real job under its layouts, in one run: upstream's co-located
 1F1B against FlowTrain's decoupled layout and the transposed ViT, with the schedule simulator's
 prediction beside each.
 
@@ -20,7 +20,14 @@ Layouts:
 - ``decoupled``: ``--use-flowtrain --flow-schedule-config tests/upstream/decoupled_layout.yaml``
   on 3 ranks (the ViT on a rank of its own, the LLM's 2 stages, the ``shm`` pool);
 - ``transposed``: ``--use-flowtrain --flow-schedule-config tests/upstream/transpose_layout.yaml``
-  at PP=2 (a ViT replica on each stage, ``<transpose, 1f1b>``).
+  at PP=2 (a ViT replica on each stage, ``<transpose, 1f1b>``);
+- ``hetero-parallel``: MindSpeed-MM's own ``--hetero-parallel`` as a baseline, upstream as is
+  (``tests/upstream/test_real_job_hetero.HETERO``): its three-phase co-located step, the image
+  encoder data parallel over both ranks, the LLM's 1F1B at PP=2.  On the pinned code it runs
+  only with a frozen image encoder (no encoder backward phase) and 2 samples per micro-batch
+  (global batch 8): its step time is not comparable with the other rows', its samples/s is;
+  the simulator has no prediction for it here (docs/schedule.md has the three-phase
+  simulator row).
 
 Modes:
 
@@ -60,6 +67,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from realjob import RealJob, run_real_job  # noqa: E402
 from realjob_run import RealRun  # noqa: E402
+from test_real_job_hetero import HETERO  # noqa: E402
 
 from mindspeed_flow.decoupled.plan import slice_plan  # noqa: E402
 from mindspeed_flow.runtime.layout import load_decoupled, plan_for, vlm_layout  # noqa: E402
@@ -78,7 +86,16 @@ LAYOUTS = {
     "decoupled": RealJob(pp=STAGES, world_size=STAGES + 1,
                          plugin=FLOW + ("--flow-schedule-config", str(DECOUPLED_FILE))),
     "transposed": RealJob(pp=STAGES, plugin=FLOW + ("--flow-schedule-config", str(TRANSPOSE_FILE))),
+    "hetero-parallel": HETERO,
 }
+# What a row runs that the others do not (printed under the table, kept in results.json).
+NOTES = {
+    "hetero-parallel": "MindSpeed-MM --hetero-parallel (three-phase co-located: ViT data parallel over both ranks, "
+                       "LLM 1F1B at PP=2), upstream as is; the pinned code runs it only with a FROZEN image encoder "
+                       "(no encoder backward) and 2 samples per micro-batch, global batch 8 (the others: 1 and 4): "
+                       "compare samples/s, not step time; no simulator prediction",
+}
+SIMULATED = ("upstream", "colocated", "decoupled", "transposed")
 
 
 def colocated_regions() -> list[Region]:
@@ -180,27 +197,33 @@ def main(argv=None) -> int:
             numbers = measure(run, args.warmup)
             forward = module_forward_s(run, args.warmup)
             numbers["forward_s"] = forward
-            if {"vit", "llm"} <= set(forward):
+            numbers.update(global_batch=job.gbs, micro_batch=job.mbs, **({"note": NOTES[name]} if name in NOTES else {}))
+            if name in SIMULATED and {"vit", "llm"} <= set(forward):
                 sim = predicted_step(name, forward, microbatches)
                 numbers.update(sim_step_s=sim.step_time, sim_bubble=sim.bubble_fraction)
             results[mode][name] = numbers
     print(f"\npretrain_vlm.py, tiny Qwen2.5-VL, LLM PP={STAGES}, global batch {microbatches}, micro batch 1, "
           f"{args.iters} iterations (median step after {args.warmup}); emulated: ViT {args.vit_s} s per forward, "
           f"LLM {args.llm_s} s per layer, backward x2")
-    header = (f"{'mode':<9}{'layout':<12}{'step s':>8}{'vs upstream':>13}{'vs colocated':>14}{'samples/s':>11}"
+    header = (f"{'mode':<9}{'layout':<16}{'step s':>8}{'vs upstream':>13}{'vs colocated':>14}{'samples/s':>11}"
               f"{'vs upstream':>13}{'sim step s':>12}{'sim/measured':>14}")
     print(header)
     for mode, rows in results.items():
         base, same_packs = rows.get("upstream"), rows.get("colocated")
         for name, r in rows.items():
             sim = r.get("sim_step_s")
-            print(f"{mode:<9}{name:<12}{r['step_s']:>8.3f}"
-                  f"{base['step_s'] / r['step_s'] if base else float('nan'):>12.2f}x"
-                  f"{same_packs['step_s'] / r['step_s'] if same_packs else float('nan'):>13.2f}x"
+            same_batch = base is not None and r["global_batch"] == base["global_batch"]  # else step ratios say nothing
+            print(f"{mode:<9}{name:<16}{r['step_s']:>8.3f}"
+                  f"{base['step_s'] / r['step_s'] if same_batch else float('nan'):>12.2f}x"
+                  f"{same_packs['step_s'] / r['step_s'] if same_packs and same_batch else float('nan'):>13.2f}x"
                   f"{r['samples_per_s']:>11.2f}"
                   f"{r['samples_per_s'] / base['samples_per_s'] if base else float('nan'):>12.2f}x"
                   f"{sim if sim else float('nan'):>12.3f}{sim / r['step_s'] if sim else float('nan'):>14.2f}")
-    print("(x: speed-up, the baseline's step time over this layout's; samples/s: consumed samples over step time)")
+    print("(x: speed-up, the baseline's step time over this layout's, nan where the global batch differs; "
+          "samples/s: consumed samples over step time)")
+    for name, note in NOTES.items():
+        if any(name in rows for rows in results.values()):
+            print(f"{name}: {note}")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     png = draw(results, args.out / "step_times.png")
     print(f"numbers: {args.out / 'results.json'}; chart: {png}")
