@@ -38,8 +38,17 @@ class _NoNpuHooks(torch._C._acc.PrivateUse1Hooks):
 _HOOKS = _NoNpuHooks()  # referenced for the life of the process: torch keeps a raw pointer
 torch._C._acc.register_python_privateuseone_hook(_HOOKS)
 
+
+def _tensor_npu(self, device=None, non_blocking=False, **kwargs):
+    """``Tensor.npu()``, which torch_npu adds (MindSpeed-MM's dynamic batching calls it):
+    the tensor stays where it is, on the CPU."""
+    return self
+
+
+torch.Tensor.npu = _tensor_npu
+
 unsupported_dtype = [torch.float64]
-_record.declare("torch_npu.npu", "torch.npu", "torch_npu.unsupported_dtype", "torch_npu.__version__",
+_record.declare("torch_npu.npu", "torch.npu", "torch_npu.unsupported_dtype", "torch_npu.__version__", "Tensor.npu",
                 "PrivateUse1 backend \"npu\" (hooks: no NPU)")
 
 __all__ = ["npu", "npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "unsupported_dtype"]
