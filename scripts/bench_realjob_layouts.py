@@ -25,9 +25,10 @@ Layouts:
   (``tests/upstream/test_real_job_hetero.HETERO``): its three-phase co-located step, the image
   encoder data parallel over both ranks, the LLM's 1F1B at PP=2.  On the pinned code it runs
   only with a frozen image encoder (no encoder backward phase) and 2 samples per micro-batch
-  (global batch 8): its step time is not comparable with the other rows', its samples/s is;
-  the simulator has no prediction for it here (docs/schedule.md has the three-phase
-  simulator row).
+  (``--global-batch-size 8``, which upstream rescales to 4 samples per step, as the other
+  rows'); the simulator has no prediction for it here (docs/schedule.md has the three-phase
+  simulator row).  A row whose logged global batch differs from upstream's gets no step
+  ratio (samples/s compares).
 
 Modes:
 
@@ -92,8 +93,8 @@ LAYOUTS = {
 NOTES = {
     "hetero-parallel": "MindSpeed-MM --hetero-parallel (three-phase co-located: ViT data parallel over both ranks, "
                        "LLM 1F1B at PP=2), upstream as is; the pinned code runs it only with a FROZEN image encoder "
-                       "(no encoder backward) and 2 samples per micro-batch, global batch 8 (the others: 1 and 4): "
-                       "compare samples/s, not step time; no simulator prediction",
+                       "(no encoder backward) and 2 samples per micro-batch (the others: 1); --global-batch-size 8, "
+                       "which upstream rescales to the others' 4 samples per step (logged); no simulator prediction",
 }
 SIMULATED = ("upstream", "colocated", "decoupled", "transposed")
 
@@ -135,7 +136,10 @@ def measure(run: RealRun, warmup: int) -> dict:
     timed = [i for i in sorted(logged) if i > warmup]
     steps = [float(logged[i]["elapsed time per iteration (ms)"]) / 1000.0 for i in timed]
     samples = run.consumed[timed[-1]] - run.consumed[timed[0] - 1]
-    return {"step_s": statistics.median(steps), "samples_per_s": samples / sum(steps), "wall_s": run.wall_s}
+    # upstream rescales some runs' global batch (--hetero-parallel: by world / (tp*pp*cp) / dp): the logged one
+    batch = int(logged[timed[-1]].get("global batch size", samples / len(timed)))
+    return {"step_s": statistics.median(steps), "samples_per_s": samples / sum(steps), "wall_s": run.wall_s,
+            "global_batch": batch}
 
 
 def draw(results: dict, path: Path) -> Path:
@@ -197,7 +201,7 @@ def main(argv=None) -> int:
             numbers = measure(run, args.warmup)
             forward = module_forward_s(run, args.warmup)
             numbers["forward_s"] = forward
-            numbers.update(global_batch=job.gbs, micro_batch=job.mbs, **({"note": NOTES[name]} if name in NOTES else {}))
+            numbers.update(micro_batch=job.mbs, **({"note": NOTES[name]} if name in NOTES else {}))
             if name in SIMULATED and {"vit", "llm"} <= set(forward):
                 sim = predicted_step(name, forward, microbatches)
                 numbers.update(sim_step_s=sim.step_time, sim_bubble=sim.bubble_fraction)
