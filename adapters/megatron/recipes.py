@@ -138,7 +138,8 @@ def prepare_grads_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs:
 
     instance.flow_module_grad_norms = clip_grads_per_module(
         [(getattr(model, NAME_ATTR), main) for model, main in pairs], max_norms,
-        group=instance.get_grad_stats_parallel_group(), counts_for_norm=counts, shard_group=shard_group)
+        group=instance.get_grad_stats_parallel_group(), counts_for_norm=counts, shard_group=shard_group,
+        device=pairs[0][1].device if pairs else None)
     clipped = {m: n for m, n in instance.flow_module_grad_norms.items() if n > max_norms[m]}
     if clipped and _is_first_rank():
         log.info("mindspeed-flow recipes: clipped module gradients (norm before > max): %s",

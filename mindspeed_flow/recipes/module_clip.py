@@ -14,6 +14,10 @@ parallel duplicates), as Megatron does; their gradients are still scaled.
 Gradients sharded by FSDP2 (``DTensor``, ``pretrain_transformers.py`` with
 ``use_torch_fsdp2``) count by their local shard; the sums are first all-reduced over
 ``shard_group``, the group the shards are spread over, as Megatron's own norm does for them.
+
+The sums are fp32 on ``device`` (default: the first gradient's), as Megatron's norm is: HCCL
+reduces no float64, nor CPU tensors; and float64 over FSDP2's mesh group was seen not to reduce
+at all in the CPU real job (the module norm was one rank's).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ EPS = 1e-6
 def clip_grads_per_module(named_params: Iterable[tuple[str, torch.Tensor]], max_norms: Mapping[str, float],
                           group: dist.ProcessGroup | None = None,
                           counts_for_norm: Callable[[torch.Tensor], bool] = lambda p: True,
-                          shard_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+                          shard_group: dist.ProcessGroup | None = None,
+                          device: torch.device | None = None) -> dict[str, float]:
     """Clip each module's gradients to its maximum norm in place; returns the norms before.
 
     Every rank must call this with the same ``max_norms`` (one collective, modules in sorted
@@ -42,7 +47,10 @@ def clip_grads_per_module(named_params: Iterable[tuple[str, torch.Tensor]], max_
     """
     modules = sorted(max_norms)
     index = {m: i for i, m in enumerate(modules)}
-    sums = torch.zeros(len(modules), dtype=torch.float64)
+    named_params = list(named_params)
+    if device is None:
+        device = next((p.grad.device for _, p in named_params if p.grad is not None), torch.device("cpu"))
+    sums = torch.zeros(len(modules), dtype=torch.float32, device=device)
     members: list[list[torch.Tensor]] = [[] for _ in modules]
     for name, param in named_params:
         grad = param.grad
@@ -53,7 +61,7 @@ def clip_grads_per_module(named_params: Iterable[tuple[str, torch.Tensor]], max_
             grad = grad.to_local()
         members[index[module]].append(grad)
         if counts_for_norm(param):
-            sums[index[module]] += grad.detach().double().pow(2).sum()
+            sums[index[module]] += grad.detach().float().pow(2).sum().to(device)
     if shard_group is not None:
         dist.all_reduce(sums, group=shard_group)
     if group is not None or (dist.is_available() and dist.is_initialized()):
