@@ -294,13 +294,21 @@ def _first_records(source: str, count: int, name: str) -> tuple[int, ...]:
     return tuple(range(count))
 
 
-def loader_state_path(checkpoints: str, iteration: int, dp_rank: int, split: str = "train") -> str:
+def loader_state_path(checkpoints: str, iteration: int, dp_rank: int, split: str = "train",
+                      ckpt_format: str = "torch") -> str:
     """Where a decoding rank's loader state lies beside a checkpoint (the validation
-    loader's under its own name)."""
+    loader's under its own name): in the ``mp_rank_XX`` folder of Megatron's
+    ``get_checkpoint_name`` layout, or, for ``torch_dcp`` (FSDP2), in the iteration's folder
+    itself: Megatron reads a folder holding ``mp_rank_0*`` as a ``torch`` checkpoint
+    (``checkpointing._get_checkpoint_format``), so a loader state there made the resume look
+    for ``model_optim_rng.pt``."""
     from megatron.training.checkpointing import get_checkpoint_name
 
     kind = "" if split == "train" else f"{split}_"
-    return get_checkpoint_name(checkpoints, iteration, basename=f"flow_loader_{kind}dprank{dp_rank:03d}.pt")
+    basename = f"flow_loader_{kind}dprank{dp_rank:03d}.pt"
+    if ckpt_format == "torch_dcp":
+        return os.path.join(get_checkpoint_name(checkpoints, iteration, return_base_dir=True), basename)
+    return get_checkpoint_name(checkpoints, iteration, basename=basename)
 
 
 def pack_length(margs: Any, tensor_parallel: int, context_parallel: int) -> tuple[int, int]:
@@ -362,7 +370,8 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         processor_file=os.path.join(str(spec.processor_path), "preprocessor_config.json"),
     )
     if getattr(margs, "load", None) and getattr(margs, "iteration", 0) > 0 and loader.decoding:
-        path = loader_state_path(margs.load, margs.iteration, loader.dp_rank, spec.split)
+        path = loader_state_path(margs.load, margs.iteration, loader.dp_rank, spec.split,
+                                 getattr(margs, "ckpt_format", "torch"))
         if not os.path.isfile(path):  # a checkpoint of the other layout (decoupled / co-located)
             from mindspeed_flow.adapters.megatron.role_checkpoint import loader_state_fallback
 
@@ -456,11 +465,11 @@ def save_checkpoint(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     from megatron.training import get_args
 
     iteration = _argument(args, kwargs, SAVE_PARAMS, "iteration")
-    save_dir = get_args().save
+    save_dir, ckpt_format = get_args().save, getattr(get_args(), "ckpt_format", "torch")
     for iterator in list(_LIVE):
         loader = iterator.loader
         if loader.decoding and save_dir:
-            path = loader_state_path(save_dir, iteration, loader.dp_rank, iterator.split)
+            path = loader_state_path(save_dir, iteration, loader.dp_rank, iterator.split, ckpt_format)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"flow_loader": iterator.save_state()}, path + ".tmp")
             os.replace(path + ".tmp", path)

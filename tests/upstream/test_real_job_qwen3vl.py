@@ -18,8 +18,8 @@ What is asserted:
   once and the shards are the whole corpus, microbatches hold several samples, every LLM
   attention call is varlen with one segment per sample (no dense mask), and the routes give the
   same samples and losses bit for bit; the feature log names each feature turned off and why;
-- ``--use-flowtrain --no-flow-packing`` feeds upstream's samples and gives upstream's losses bit
-  for bit (the other features do not change the math);
+- ``--use-flowtrain --no-flow-packing --no-flow-conv-matmul`` feeds upstream's samples and gives
+  upstream's losses bit for bit (the other features do not change the math);
 - save at 4 and resume to 8 with packing, ``torch`` (DDP) and ``torch_dcp`` (FSDP2): losses bit
   for bit the uninterrupted run's, consumed samples and the sample sequence identical (no
   sample twice, none skipped) - where upstream's own dynamic batching fails
@@ -36,6 +36,7 @@ What is asserted:
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import replace
 
@@ -47,9 +48,13 @@ from realjob_transformers import TransformersJob
 # the pretrain_vlm.py job's: 8 iterations; finished with finite losses logged exactly; bf16 noise between runs
 from test_real_job import BF16_RTOL, ITERS, assert_finished
 
+# A test may start up to three runs (an FSDP2 one ~60-100 s on a quiet machine, minutes on a loaded one).
+pytestmark = pytest.mark.timeout(1800)
+
 FLOW = ("--use-flowtrain",)
 PACK_CAPACITY = 256  # --seq-length of the packing runs: a pack holds a few samples of the tiny corpus
 K = 4  # save / exit at this iteration, resume to ITERS
+VAL_RATE = 0.25  # of the 48 samples: 12 held out for validation
 PACKED = {"seq_length": PACK_CAPACITY, "iters": ITERS}
 FSDP2 = {"dp": 2, "fsdp2": True, "ckpt_format": "torch_dcp"}
 JOBS = {
@@ -57,10 +62,14 @@ JOBS = {
     "q3_flow_cli": TransformersJob(plugin=FLOW, **PACKED),
     "q3_flow_env": TransformersJob(extra_env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),), **PACKED),
     "q3_flow_module": TransformersJob(plugin=FLOW, launch="module", **PACKED),
-    "q3_flow_nopack": TransformersJob(iters=ITERS, plugin=FLOW + ("--no-flow-packing",)),
+    # conv_matmul computes the ViT's patch embedding as a matmul (other rounding): off here
+    "q3_flow_nopack": TransformersJob(iters=ITERS, plugin=FLOW + ("--no-flow-packing", "--no-flow-conv-matmul")),
     "q3_refused": TransformersJob(iters=ITERS, plugin=("--use-flowtrain", "--flow-schedule", "--flow-pool")),
     "q3_pack_sdpa": TransformersJob(plugin=FLOW, yaml_patch=(("model.text_decoder.attn_implementation", "sdpa"),),
                                     **PACKED),
+    "q3_flow_val": TransformersJob(plugin=FLOW, yaml_patch=(("data.dataset_param.basic_parameters.val_rate", VAL_RATE),
+                                                            ("gpt_args.eval_interval", K), ("gpt_args.eval_iters", 2)),
+                                   **PACKED),
     "q3_yaml_flag": TransformersJob(iters=ITERS, yaml_patch=(("gpt_args.use_flowtrain", True),)),
     "q3_up_fsdp2": TransformersJob(iters=ITERS, **FSDP2),
     "q3_flow_fsdp2": TransformersJob(extra_env=(("MINDSPEED_FLOW_FLAGS", " ".join(FLOW)),), **PACKED, **FSDP2),
@@ -200,6 +209,22 @@ def test_packing_resumes_bit_for_bit(real_jobs, fmt):
     assert {**first.consumed, **second.consumed} == whole.consumed
     assert first.fed + second.fed == whole.fed  # no sample twice, none skipped, same order, same DP rank
     assert list((first.workdir / "ckpt").rglob("flow_loader_dprank*.pt"))  # the loader state beside it
+
+
+def test_packing_honours_the_validation_split(real_jobs):
+    """``val_rate`` holds out MindSpeed-MM's records (``datasets``' ``train_test_split`` with the
+    YAML's seed): never trained on, every one evaluated, validation loss logged at each interval."""
+    from mindspeed_flow.adapters.mindspeed_mm.data import held_out_split
+
+    ours = run(real_jobs, "q3_flow_val")
+    assert_finished(ours)
+    assert_consumed_counts_fed(ours)
+    _, held = held_out_split(ours.job.samples, VAL_RATE, seed=42)  # the recipe's gpt_args.seed
+    assert len(held) == 12
+    assert {t for _, _, tags in ours.evaluated for t in tags} == set(held)
+    assert set(ours.fed_samples()) == set(range(ours.job.samples)) - set(held)
+    values = [float(v) for line in ours.validation for v in re.findall(r"loss value: ([0-9.E+-]+)", line)]
+    assert len(ours.validation) >= 2 and values and all(math.isfinite(v) for v in values), ours.validation
 
 
 def test_schedule_and_pool_asked_for_by_name_are_refused_at_start_up(real_jobs):
