@@ -57,15 +57,13 @@ FLOW = FlowState()
 
 def check_supported(layout: Any, args: Any = None, source: str = "the decoupled layout") -> None:
     """Refuse (:class:`LayoutError`, naming ``source`` and each reason) a flow layout this
-    version does not run: several encoder replicas per slice or backbone replicas, tensor
-    parallelism in either role (only one encoder rank per slice and one backbone pipeline
-    are checked in Megatron's job), virtual pipeline stages."""
+    version does not run: several backbone replicas, tensor parallelism in either role (one
+    backbone pipeline and untensored ranks are what is checked in Megatron's job), virtual
+    pipeline stages."""
     reasons = []
-    if layout.encoder_dp > 1:
-        reasons.append(f"encoder dp {layout.encoder_dp * layout.backbone_dp} (several encoder replicas per slice: "
-                       "their share of the encoder batches and their gradient sum are not wired to Megatron's DDP)")
     if layout.backbone_dp > 1:
-        reasons.append(f"backbone dp {layout.backbone_dp} (one slice per job is what is checked)")
+        reasons.append(f"backbone dp {layout.backbone_dp} (one slice per job is what is checked; its encoder "
+                       "replicas' gradient sum runs over every encoder rank)")
     if layout.encoder_tp > 1 or layout.backbone_tp > 1:
         reasons.append(f"tensor parallelism (encoder tp {layout.encoder_tp}, backbone tp {layout.backbone_tp}: the "
                        "per-sample entries are read and written by one rank per role)")
@@ -99,29 +97,48 @@ def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[An
     samples = StepBatches(FLOW.steps, batches, image_token_id())
     FLOW.steps += 1
     grouping = group_packed(samples.metas, samples.microbatches, encoder_cost=EncoderCost(linear=1.0),
-                            encoder_budget=float(layout.flow_encoder_batch_patches), pp=layout.backbone_pp)
+                            encoder_budget=float(layout.flow_encoder_batch_patches),
+                            encoder_replicas=layout.encoder_dp, pp=layout.backbone_pp)
     return samples, grouping
 
 
 def produce(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *,
-            trainable: bool, timeout_s: float) -> Any:
-    """The encoder rank's step: its batches encoded and put per sample; a trainable ViT's
-    backwards as the gradients come back.  Returns the producer's stats."""
+            replica: int, trainable: bool, timeout_s: float, replicas_group: Any = None) -> Any:
+    """Encoder replica ``replica``'s step: its batches encoded and put per sample; a trainable
+    ViT's backwards as the gradients come back, then (several replicas) the sum of the
+    replicas' gradients over ``replicas_group``.  Returns the producer's stats."""
     from mindspeed_flow.flow import EmbeddingProducer
 
     def encode(metas: Any) -> Any:
         output, _ = forward_step_func(iter([samples.encoder_input(metas)]), model)
         return output.reshape(-1, output.shape[-1])
 
-    producer = EmbeddingProducer(pool, encode, replica=0, trainable=trainable, timeout_s=timeout_s)
+    producer = EmbeddingProducer(pool, encode, replica=replica, trainable=trainable, timeout_s=timeout_s)
     producer.forward(grouping)
     if trainable:
         producer.backward(grouping)
+        if grouping.encoder_replicas > 1:
+            sum_replica_grads(model, replicas_group)
     FLOW.last = {**_groups(grouping), "forwards": len(producer.stats.forwards),
                  "backwards": len(producer.stats.backwards)}
     log.info("mindspeed-flow flow: step %d: LLM microbatches %s, encoder batches %s (sample ids)",
              samples.step, [list(mb) for mb in grouping.microbatches], [list(b) for b in grouping.batches])
     return producer.stats
+
+
+def sum_replica_grads(model: Any, group: Any) -> None:
+    """Every encoder replica of the slice holds the sum of their gradients (DDP's ``main_grad``),
+    as the lockstep plan's ``REDUCE`` leaves them: each encoded other samples, and Megatron's
+    DDP then averages over ``encoder_dp`` equal copies with the matching divisor
+    (:mod:`.decoupled_step`)."""
+    import torch.distributed as dist
+
+    from mindspeed_flow.flat_grads import flatten_grads, set_accumulated_grads
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = flatten_grads(params)
+    dist.all_reduce(flat, group=group)
+    set_accumulated_grads(params, flat)
 
 
 def consume(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *, stage: int,

@@ -178,8 +178,10 @@ def _flow_step(layout: Any, rank: int, role: Any, forward_step_func: Callable, i
     samples, grouping = decoupled_flow.step_grouping(layout, iterator, num_microbatches)
     timeout_s = SETTINGS.options.wait.timeout_s
     if role.region == ENCODER_REGION:
-        decoupled_flow.produce(samples, grouping, forward_step_func, model, STATE.pool, trainable=trainable,
-                               timeout_s=timeout_s)
+        from mindspeed_flow.adapters.megatron.roles import ROLES, encoder_replica
+
+        decoupled_flow.produce(samples, grouping, forward_step_func, model, STATE.pool, replica=encoder_replica(),
+                               trainable=trainable, timeout_s=timeout_s, replicas_group=ROLES.groups[ENCODER_REGION])
         return [], torch.zeros([], dtype=torch.int)
     executor = decoupled_flow.backbone_executor(layout, rank, SETTINGS.options)
     result = decoupled_flow.consume(samples, grouping, forward_step_func, model, STATE.pool, stage=role.stage,
