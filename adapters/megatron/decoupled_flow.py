@@ -57,13 +57,13 @@ FLOW = FlowState()
 
 def check_supported(layout: Any, args: Any = None, source: str = "the decoupled layout") -> None:
     """Refuse (:class:`LayoutError`, naming ``source`` and each reason) a flow layout this
-    version does not run: several backbone replicas, tensor parallelism in either role (one
-    backbone pipeline and untensored ranks are what is checked in Megatron's job), virtual
-    pipeline stages."""
+    version does not run: several backbone replicas with several encoder replicas each,
+    tensor parallelism in either role (untensored ranks are what is checked in Megatron's
+    job), virtual pipeline stages."""
     reasons = []
-    if layout.backbone_dp > 1:
-        reasons.append(f"backbone dp {layout.backbone_dp} (one slice per job is what is checked; its encoder "
-                       "replicas' gradient sum runs over every encoder rank)")
+    if layout.backbone_dp > 1 and layout.encoder_dp > 1:
+        reasons.append(f"backbone dp {layout.backbone_dp} with {layout.encoder_dp} encoder replicas per slice (the "
+                       "replicas' gradient sum runs over every encoder rank, not one slice's)")
     if layout.encoder_tp > 1 or layout.backbone_tp > 1:
         reasons.append(f"tensor parallelism (encoder tp {layout.encoder_tp}, backbone tp {layout.backbone_tp}: the "
                        "per-sample entries are read and written by one rank per role)")
