@@ -52,7 +52,13 @@ class LayoutConfig:
     set, adds a second baseline run at PP=``best_baseline_pp`` x DP=``world_size /
     best_baseline_pp`` (everything else the same), named ``baseline-pp<N>``: the baseline's
     best measured configuration, so FlowTrain is also compared with the baseline at its best
-    (docs/train.md).  ``text_only_pp``: the pipeline size of the text-only upper bound (the
+    (docs/train.md); ``best_baseline_micro_batch_size`` gives that run its own padded
+    micro-batch size (named ``baseline-pp<N>-mbs<M>``; either key alone adds the run, the
+    other keeping the baseline's value).  ``best_thd_pp`` and ``best_three_phase_pp``: the
+    pipeline size ``baseline-thd`` and ``three-phase`` run at (``null``: ``baseline_pp``), so
+    the job compares FlowTrain with each baseline at its best; ``--search-baselines`` prints
+    these keys' measured values to paste (:mod:`mindspeed_flow.train.search`).
+    ``text_only_pp``: the pipeline size of the text-only upper bound (the
     backbone alone on every rank, PP=``text_only_pp`` x DP=``world_size / text_only_pp``;
     default 1: a pure LLM this small trains fastest without a pipeline here, docs/train.md).
     FlowTrain takes its layout from the allocator when ``use_allocator`` is true
@@ -62,7 +68,10 @@ class LayoutConfig:
 
     world_size: int = 4
     baseline_pp: int = 2
-    best_baseline_pp: Optional[int] = None  # None: no second baseline run
+    best_baseline_pp: Optional[int] = None  # None (and no best micro-batch size): no second baseline run
+    best_baseline_micro_batch_size: Optional[int] = None  # None: data.micro_batch_size
+    best_thd_pp: Optional[int] = None  # None: baseline_pp
+    best_three_phase_pp: Optional[int] = None  # None: baseline_pp
     text_only_pp: int = 1
     use_allocator: bool = True
     flow_encoder_dp: int = 2
@@ -74,6 +83,16 @@ class LayoutConfig:
     pool_capacity_mb: Optional[float] = None  # None: what max_ahead packs of embeddings need (train/flow.py)
     flow_encoder_batch_patches: int = 1024
     flow_max_in_flight: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """The grid of ``--search-baselines`` (:mod:`mindspeed_flow.train.search`).  ``pp``: the
+    pipeline sizes tried (``null``: every one the layout allows, :meth:`TrainConfig.pipeline_sizes`;
+    a size it does not allow is an error); ``micro_batch_sizes``: the padded baseline's."""
+
+    pp: Optional[tuple[int, ...]] = None
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     steps: int = 12
     seed: int = 1234
     report_dir: str = "outputs/train/report"
@@ -107,14 +127,41 @@ class TrainConfig:
     def baseline_dp(self) -> int:
         return self.layout.world_size // self.layout.baseline_pp
 
+    def pipeline_sizes(self) -> list[int]:
+        """Every PP a co-located run can take: it divides the world and the LLM has a layer
+        for each stage."""
+        world = self.layout.world_size
+        return [pp for pp in range(1, world + 1) if world % pp == 0 and pp <= self.model.llm_layers]
+
+    def co_located(self, pp: int, micro_batch_size: Optional[int] = None) -> "TrainConfig":
+        """This config with its co-located runs at PP=``pp`` (and the padded microbatches of
+        ``micro_batch_size`` samples when given): one run's resolved config, its ``best_*``
+        keys cleared (they choose runs, they are not part of one)."""
+        layout = dataclasses.replace(self.layout, baseline_pp=pp, best_baseline_pp=None,
+                                     best_baseline_micro_batch_size=None, best_thd_pp=None, best_three_phase_pp=None)
+        data = self.data if micro_batch_size is None else dataclasses.replace(self.data,
+                                                                              micro_batch_size=micro_batch_size)
+        return dataclasses.replace(self, layout=layout, data=data)
+
     def best_baseline(self) -> Optional[tuple[str, "TrainConfig"]]:
-        """The second baseline run's name and config (``layout.baseline_pp`` set to
-        ``layout.best_baseline_pp``), or None when the config asks for none."""
-        pp = self.layout.best_baseline_pp
-        if pp is None:
+        """The second baseline run's name and config (PP=``layout.best_baseline_pp``, padded
+        micro-batch size ``layout.best_baseline_micro_batch_size``, each defaulting to the
+        baseline's), or None when the config sets neither."""
+        lay = self.layout
+        if lay.best_baseline_pp is None and lay.best_baseline_micro_batch_size is None:
             return None
-        return f"baseline-pp{pp}", dataclasses.replace(self, layout=dataclasses.replace(self.layout, baseline_pp=pp,
-                                                                                         best_baseline_pp=None))
+        pp = lay.best_baseline_pp or lay.baseline_pp
+        mbs = lay.best_baseline_micro_batch_size
+        name = f"baseline-pp{pp}" + ("" if mbs is None else f"-mbs{mbs}")
+        return name, self.co_located(pp, mbs)
+
+    def thd_config(self) -> "TrainConfig":
+        """``baseline-thd``'s config: at PP=``layout.best_thd_pp`` (``null``: ``baseline_pp``)."""
+        return self.co_located(self.layout.best_thd_pp or self.layout.baseline_pp)
+
+    def three_phase_config(self) -> "TrainConfig":
+        """``three-phase``'s config: at PP=``layout.best_three_phase_pp`` (``null``: ``baseline_pp``)."""
+        return self.co_located(self.layout.best_three_phase_pp or self.layout.baseline_pp)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -158,11 +205,8 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
                         f"({lay.flow_encoder_dp} + {lay.flow_backbone_pp}) is not world_size {lay.world_size}")
     if lay.text_only_pp >= 1 and lay.world_size % lay.text_only_pp:
         problems.append(f"layout.text_only_pp: {lay.text_only_pp} does not divide layout.world_size {lay.world_size}")
-    best = lay.best_baseline_pp
-    if best is not None and (best < 1 or lay.world_size % best):
-        problems.append(f"layout.best_baseline_pp: {best} must be >= 1 and divide layout.world_size {lay.world_size}")
-    if best is not None and best == lay.baseline_pp:
-        problems.append(f"layout.best_baseline_pp: {best} is layout.baseline_pp already (null: no second baseline)")
+    problems += _best_problems(cfg)
+    problems += _search_problems(cfg)
     if lay.flow and lay.pool_backend != "shm":
         problems.append(f"layout.flow: the flow runs on the 'shm' pool (one host), not {lay.pool_backend!r}")
     if lay.pool_capacity_mb is not None and not lay.pool_capacity_mb > 0:
@@ -177,6 +221,49 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
         raise ConfigError(f"{path}: " + "; ".join(problems))
 
 
+def _best_problems(cfg: TrainConfig) -> list[str]:
+    """The ``layout.best_*`` keys: each PP one a co-located run can take, a micro-batch size
+    >= 1, and a second baseline that is not the baseline itself."""
+    lay, problems = cfg.layout, []
+    best = lay.best_baseline_pp
+    if best is not None and (best < 1 or lay.world_size % best):
+        problems.append(f"layout.best_baseline_pp: {best} must be >= 1 and divide layout.world_size {lay.world_size}")
+    for key in ("best_thd_pp", "best_three_phase_pp"):
+        pp = getattr(lay, key)
+        if pp is not None and pp not in cfg.pipeline_sizes():
+            problems.append(f"layout.{key}: {pp} is not a pipeline size a co-located run can take here (one that "
+                            f"divides layout.world_size {lay.world_size} and is at most model.llm_layers "
+                            f"{cfg.model.llm_layers}: {cfg.pipeline_sizes()}; null: layout.baseline_pp)")
+    mbs = lay.best_baseline_micro_batch_size
+    if mbs is not None and mbs < 1:
+        problems.append(f"layout.best_baseline_micro_batch_size: must be >= 1 (or null), got {mbs}")
+    same_mbs = mbs is None or mbs == cfg.data.micro_batch_size
+    if best is not None and best == lay.baseline_pp and same_mbs:
+        problems.append(f"layout.best_baseline_pp: {best} is layout.baseline_pp already (null: no second baseline; "
+                        f"or set layout.best_baseline_micro_batch_size to another size than data.micro_batch_size)")
+    if best is None and mbs is not None and same_mbs:
+        problems.append(f"layout.best_baseline_micro_batch_size: {mbs} is data.micro_batch_size already and "
+                        f"layout.best_baseline_pp is null: that is the baseline itself (null: no second baseline)")
+    return problems
+
+
+def _search_problems(cfg: TrainConfig) -> list[str]:
+    """The ``search`` section: sizes the grid can run, none twice."""
+    problems = []
+    allowed = cfg.pipeline_sizes()
+    for key, sizes, ok in (("search.pp", cfg.search.pp, lambda v: v in allowed),
+                           ("search.micro_batch_sizes", cfg.search.micro_batch_sizes, lambda v: v >= 1)):
+        if sizes is None:
+            continue
+        if not sizes or len(set(sizes)) != len(sizes):
+            problems.append(f"{key}: must be a non-empty list without repeats, got {list(sizes)}")
+        bad = [v for v in sizes if not ok(v)]
+        if bad:
+            what = f"pipeline sizes a co-located run can take here: {allowed}" if key == "search.pp" else "sizes >= 1"
+            problems.append(f"{key}: {bad} are not {what}")
+    return problems
+
+
 def check_resume(cfg: TrainConfig, path: str | Path = "<config>") -> None:
     """The resume check needs a step to stop after and at least one step to resume."""
     if not 0 < cfg.resume_at < cfg.steps:
@@ -189,5 +276,5 @@ def as_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-__all__ = ["ConfigError", "DataConfig", "LayoutConfig", "OptimConfig", "TrainConfig", "as_dict", "check_config",
-           "check_resume", "load_config"]
+__all__ = ["ConfigError", "DataConfig", "LayoutConfig", "OptimConfig", "SearchConfig", "TrainConfig", "as_dict",
+           "check_config", "check_resume", "load_config"]

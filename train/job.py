@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 RESUME_RUN = FLOWTRAIN
 PARITY_RUNS = (BASELINE, FLOWTRAIN)
 CHECKPOINT_FILE = "rank{rank:03d}.pt"
+BEST_KEYS_FILE = "best_baselines.yaml"  # --search-baselines: the layout.best_* keys measured (train/search.py)
 
 
 @dataclass(frozen=True)
@@ -344,7 +345,7 @@ def main(args: argparse.Namespace) -> int:
 def _report(cfg: "TrainConfig", phases: Phases, results: list[RankResult], noise: Any, timing: dict[str, float],
             config: dict) -> int:
     from mindspeed_flow.train.report import bought, format_table, write_report
-    from mindspeed_flow.train.search import best_of_search, family_of, search_json, search_lines
+    from mindspeed_flow.train.search import best_config_lines, best_of_search, family_of, search_json, search_lines
 
     world = cfg.layout.world_size
     specs = phases.specs(cfg)
@@ -353,8 +354,12 @@ def _report(cfg: "TrainConfig", phases: Phases, results: list[RankResult], noise
     out.mkdir(parents=True, exist_ok=True)
     if phases.search:  # each baseline family at its best configuration, under its own name
         grid = [r for r in records if family_of(r.name) is not None]
-        print("\n".join(search_lines(grid)))
+        keys = best_config_lines(cfg, grid)
+        print("\n".join(search_lines(grid) + [f"to run each baseline at its best in the default job and --ablation, "
+                                                f"put these keys in the config's layout (also in {BEST_KEYS_FILE}):"]
+                         + keys))
         (out / "baseline_search.json").write_text(json.dumps(search_json(grid), indent=1) + "\n")
+        (out / BEST_KEYS_FILE).write_text("\n".join(keys) + "\n")
         records = best_of_search(grid) + [r for r in records if family_of(r.name) is None]
     parity = compare_parity(results) if phases.parity else None
     resume, same_samples = compare_resume(results, cfg) if phases.resume else (None, True)

@@ -9,16 +9,18 @@ nothing else (same samples, same initialisation, same optimizer, same ranks).
   mask) -> ``conv-matmul`` (the matmul patch embedding) -> ``flowtrain`` (the allocator's
   decoupled layout over the pool).  Each run after the first records the run before it and
   the feature it adds, which is what the report's "bought" column divides by.
-- ``baseline-pp<N>`` (``layout.best_baseline_pp``): the baseline at its best pipeline size.
+- ``baseline-pp<N>[-mbs<M>]`` (``layout.best_baseline_pp``, ``layout.best_baseline_micro_batch_size``):
+  the baseline at its best pipeline size and padded micro-batch size.
 - ``baseline-thd``: the strongest co-located baseline, Megatron as users can run it at its
   best: packs as microbatches through megatron-core's THD ``packed_seq_params`` (no dense
   mask; the ViT's varlen attention), the matmul patch embedding, the ViT in stage 0 and
-  Megatron's own 1F1B (the chain's ``conv-matmul`` switches, named as a baseline).
+  Megatron's own 1F1B (the chain's ``conv-matmul`` switches, named as a baseline), at
+  PP=``layout.best_thd_pp`` (its best; ``null``: ``baseline_pp``).
 - ``three-phase``: the co-located schedule of MindSpeed-MM's ``--hetero-parallel`` and
   Megatron MIMO: the ViT forward over the whole step's images first (every rank a ViT
   replica), then the LLM's 1F1B on the detached embeddings, then the ViT backward with the
   embeddings' gradients (:mod:`mindspeed_flow.train.three_phase`); ``baseline-thd``'s data
-  path, so the two differ by the schedule alone.
+  path, so the two differ by the schedule alone; at PP=``layout.best_three_phase_pp``.
 - ``text-only``: the upper bound, the same backbone on the same token sequences without the
   ViT (every image token is embedded as a text token), packed with varlen attention at
   PP=``layout.text_only_pp``.
@@ -149,22 +151,21 @@ def ablation_chain(cfg: "TrainConfig") -> list[RunSpec]:
 
 def text_only_run(cfg: "TrainConfig") -> RunSpec:
     """The text-only upper bound: packed, varlen, no ViT, at PP=``layout.text_only_pp``."""
-    layout = dataclasses.replace(cfg.layout, baseline_pp=cfg.layout.text_only_pp, best_baseline_pp=None)
     return RunSpec(TEXT_ONLY, RunFeatures(packing=True, varlen=True, text_only=True),
-                   dataclasses.replace(cfg, layout=layout))
+                   cfg.co_located(cfg.layout.text_only_pp))
 
 
 def catalogue(cfg: "TrainConfig") -> dict[str, RunSpec]:
     """Every run this config can train, by name, in the order the job trains them: the
-    baseline, its best configuration (when configured), the THD and three-phase baselines,
-    the rest of the chain, text-only."""
+    baseline, its best configuration (when configured), the THD and three-phase baselines
+    (each at its configured best PP), the rest of the chain, text-only."""
     chain = ablation_chain(cfg)
     runs = {chain[0].name: chain[0]}
     best = cfg.best_baseline()
     if best is not None:
         runs[best[0]] = RunSpec(best[0], RunFeatures(), best[1])
-    runs[BASELINE_THD] = RunSpec(BASELINE_THD, THD_FEATURES, cfg)
-    runs[THREE_PHASE] = RunSpec(THREE_PHASE, THREE_PHASE_FEATURES, cfg)
+    runs[BASELINE_THD] = RunSpec(BASELINE_THD, THD_FEATURES, cfg.thd_config())
+    runs[THREE_PHASE] = RunSpec(THREE_PHASE, THREE_PHASE_FEATURES, cfg.three_phase_config())
     runs.update({spec.name: spec for spec in chain[1:]})
     runs[TEXT_ONLY] = text_only_run(cfg)
     return runs

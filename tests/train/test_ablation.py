@@ -74,7 +74,11 @@ def test_the_thd_and_three_phase_baselines_are_named_baselines_beside_the_chain(
     thd, phased = runs["baseline-thd"], runs["three-phase"]
     assert thd.features == chain["conv-matmul"].features and thd.kind == "baseline"
     assert _switched(thd.features, phased.features) == {"three_phase"} and phased.kind == "three-phase"
-    assert thd.cfg == phased.cfg == cfg and thd.previous is phased.previous is None
+    assert thd.previous is phased.previous is None
+    # each at its configured best PP (layout.best_thd_pp / best_three_phase_pp; null: baseline_pp), nothing else
+    for spec, best in ((thd, cfg.layout.best_thd_pp), (phased, cfg.layout.best_three_phase_pp)):
+        assert spec.cfg.layout.baseline_pp == (best or cfg.layout.baseline_pp)
+        assert dataclasses.replace(spec.cfg, layout=cfg.layout) == cfg
     assert [name for name in runs if is_baseline(name)] == ["baseline", cfg.best_baseline()[0], "baseline-thd",
                                                             "three-phase"]
 

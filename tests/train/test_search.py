@@ -1,22 +1,29 @@
 """``--search-baselines`` (train/search.py), in one process: the grid holds every baseline
 family at every pipeline size the config allows (and every micro-batch size for the padded
 baseline), nothing else changes between its runs, and the report gets each family's fastest
-configuration under the family's name.  The grid's runs train like any run of the job
-(tests/train/test_runs.py, test_e2e.py); a whole search was run by hand (docs/train.md)."""
+configuration under the family's name and as the ``layout.best_*`` keys to paste.  One
+small search runs end to end (2 ranks, 2 steps, CI model): the best of each family is the
+fastest of the measured grid, in baseline_search.json, the report and best_baselines.yaml
+(no timing is asserted); the demo's whole search was run by hand (docs/train.md)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from markers import requires_megatron_core
 from mindspeed_flow.train.config import load_config
 from mindspeed_flow.train.metrics import RankRecord, RunRecord, StepOutcome
 from mindspeed_flow.train.runs import catalogue
 from mindspeed_flow.train.search import (
-    MICRO_BATCH_SIZES,
+    best_config_lines,
     best_of_search,
     family_of,
     pipeline_sizes,
@@ -47,7 +54,7 @@ def test_the_grid_is_every_family_at_every_pipeline_size_and_padded_micro_batch_
         same = dataclasses.replace(spec.cfg, layout=cfg.layout, data=cfg.data)
         assert same == cfg
     assert sorted((s.cfg.layout.baseline_pp, s.cfg.data.micro_batch_size) for s in by_family["baseline"]) == \
-        sorted((p, m) for p in sizes for m in MICRO_BATCH_SIZES)
+        sorted((p, m) for p in sizes for m in cfg.search.micro_batch_sizes)
     for family in ("baseline-thd", "three-phase"):
         assert [s.cfg.layout.baseline_pp for s in by_family[family]] == sizes
         assert all(s.cfg.data == cfg.data for s in by_family[family])
@@ -84,3 +91,106 @@ def test_the_command_line_runs_the_grid_and_flowtrain_without_parity_or_resume(c
     assert [s.name for s in phases.specs(cfg)] == [s.name for s in search_grid(cfg)] + ["flowtrain"]
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "c.yaml", "--search-baselines", "--ablation"])
+
+
+def test_best_config_lines_are_the_layout_keys_of_each_familys_best(cfg, tmp_path):
+    """The pasteable keys name each family's winning PP (and the padded baseline's micro-batch
+    size), load as a config, and make the catalogue's baselines those configurations; the
+    padded baseline's own configuration as its best means no second baseline run."""
+    import yaml
+
+    lay = cfg.layout
+    other_mbs = next(m for m in (1, 2, 4) if m != cfg.data.micro_batch_size)
+    grid = [_record(f"baseline@pp1-mbs{other_mbs}", 0.5), _record(f"baseline@pp{lay.baseline_pp}-mbs2", 1.0),
+            _record("baseline-thd@pp1", 0.8), _record("baseline-thd@pp2", 0.4),
+            _record("three-phase@pp1", 1.0), _record("three-phase@pp2", 2.0)]
+    keys = yaml.safe_load("\n".join(best_config_lines(cfg, grid)))["layout"]
+    assert keys == {"best_baseline_pp": 1, "best_baseline_micro_batch_size": other_mbs, "best_thd_pp": 2,
+                    "best_three_phase_pp": 1}
+    raw = yaml.safe_load((ROOT / "configs" / "train" / "ci.yaml").read_text())
+    raw["layout"].update(keys)
+    path = tmp_path / "best.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    runs = catalogue(load_config(path))
+    assert f"baseline-pp1-mbs{other_mbs}" in runs
+    best = runs[f"baseline-pp1-mbs{other_mbs}"].cfg
+    assert (best.layout.baseline_pp, best.data.micro_batch_size) == (1, other_mbs)
+    assert (runs["baseline-thd"].cfg.layout.baseline_pp, runs["three-phase"].cfg.layout.baseline_pp) == (2, 1)
+    # the configured baseline itself wins: no second baseline run
+    grid[0] = _record(f"baseline@pp1-mbs{other_mbs}", 4.0)
+    grid[1] = _record(f"baseline@pp{lay.baseline_pp}-mbs{cfg.data.micro_batch_size}", 1.0)
+    keys = yaml.safe_load("\n".join(best_config_lines(cfg, grid)))["layout"]
+    assert (keys["best_baseline_pp"], keys["best_baseline_micro_batch_size"]) == (None, None)
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """``mindspeed-flow train --search-baselines`` on the CI config, made small: 2 ranks (PP 1
+    and 2), 2 steps, the padded baseline at micro-batch sizes 1 and 2 (``search.micro_batch_sizes``):
+    8 grid runs and flowtrain in one launch."""
+    import yaml
+
+    work = tmp_path_factory.mktemp("search_e2e")
+    raw = yaml.safe_load((ROOT / "configs" / "train" / "ci.yaml").read_text())
+    raw["data"].update(path=str(work / "demo_data"), samples=40)
+    raw["layout"]["world_size"] = 2
+    raw["search"] = {"micro_batch_sizes": [1, 2]}
+    raw["steps"] = 2
+    config = work / "search.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    report = work / "report"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "train", str(config), "--search-baselines", "--report", str(report)],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"mindspeed-flow train --search-baselines failed ({proc.returncode}):\n{output[-6000:]}"
+    return {"cfg": load_config(config), "config": raw, "report": report, "output": output,
+            "search": json.loads((report / "baseline_search.json").read_text()),
+            "metrics": json.loads((report / "metrics.json").read_text()),
+            "keys": yaml.safe_load((report / "best_baselines.yaml").read_text())["layout"]}
+
+
+@requires_megatron_core
+def test_the_search_measures_the_grid_and_reports_each_familys_best(searched, tmp_path):
+    """Every grid configuration trained and was measured; each family's best is the fastest of
+    its measured configurations, in baseline_search.json, in the report under the family's
+    name (flowtrain's ratio against it) and in the pasteable keys, which load as a config
+    whose baselines are those configurations."""
+    import yaml
+
+    cfg, search, runs = searched["cfg"], searched["search"], searched["metrics"]["runs"]
+    grid = search_grid(cfg)
+    assert set(search) == {"baseline", "baseline-thd", "three-phase"}
+    assert {(f, c) for f, entry in search.items() for c in entry["configs"]} == \
+        {tuple(s.name.split("@")) for s in grid}
+    assert set(search["baseline"]["configs"]) == {"pp1-mbs1", "pp1-mbs2", "pp2-mbs1", "pp2-mbs2"}
+    flow = runs["flowtrain"]
+    for family, entry in search.items():
+        rates = {c: numbers["samples_per_s"] for c, numbers in entry["configs"].items()}
+        assert all(rate > 0 for rate in rates.values())
+        assert entry["best"] == max(rates, key=rates.get)
+        record = runs[family]
+        assert record["derived"]["samples_per_s"] == pytest.approx(rates[entry["best"]], rel=1e-9)
+        assert record["record"]["layout"].endswith(f"[best: {entry['best']}]")
+        assert flow["ratio_to"][family]["samples_per_s"] == pytest.approx(
+            flow["derived"]["samples_per_s"] / rates[entry["best"]], rel=1e-9)
+        assert f"  {family}: " in searched["output"] and f"{entry['best']} {rates[entry['best']]:.2f} (best)" in \
+            searched["output"]
+    assert not any("@" in name for name in runs)  # the grid's runs are in baseline_search.json only
+    keys = searched["keys"]
+    assert keys["best_thd_pp"] == search["baseline-thd"]["configs"][search["baseline-thd"]["best"]]["pp"]
+    assert keys["best_three_phase_pp"] == search["three-phase"]["configs"][search["three-phase"]["best"]]["pp"]
+    best = search["baseline"]["configs"][search["baseline"]["best"]]
+    if (best["pp"], best["micro_batch_size"]) == (cfg.layout.baseline_pp, cfg.data.micro_batch_size):
+        assert keys["best_baseline_pp"] is keys["best_baseline_micro_batch_size"] is None
+    else:
+        assert (keys["best_baseline_pp"], keys["best_baseline_micro_batch_size"]) == \
+            (best["pp"], best["micro_batch_size"])
+    assert "best_thd_pp:" in searched["output"]
+    raw = searched["config"]
+    raw["layout"].update(keys)
+    path = tmp_path / "best.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    catalogued = catalogue(load_config(path))
+    assert catalogued["baseline-thd"].cfg.layout.baseline_pp == keys["best_thd_pp"]
+    assert catalogued["three-phase"].cfg.layout.baseline_pp == keys["best_three_phase_pp"]
