@@ -5,15 +5,18 @@ Phases, in order (``cli`` picks which):
 
 1. the runs (:mod:`mindspeed_flow.train.runs`), each for ``steps`` steps over the same
    samples from the same initialisation, in the catalogue's order: ``baseline`` (the
-   MindSpeed-MM-style run), ``baseline-pp<N>`` when ``layout.best_baseline_pp`` is set (the
-   baseline at its best pipeline size), ``baseline-thd`` (packed THD Megatron) and
-   ``three-phase`` (the --hetero-parallel / MIMO schedule), the ablation chain's ``packing``, ``varlen``,
+   MindSpeed-MM-style run), ``baseline-pp<N>[-mbs<M>]`` when ``layout.best_baseline_pp`` or
+   ``layout.best_baseline_micro_batch_size`` is set (the baseline at its best configuration),
+   ``baseline-thd`` (packed THD Megatron) and ``three-phase`` (the --hetero-parallel / MIMO
+   schedule), each at its best PP (``layout.best_thd_pp``, ``layout.best_three_phase_pp``),
+   the ablation chain's ``packing``, ``varlen``,
    ``conv-matmul``, then ``flowtrain`` (the ``--use-flowtrain`` run: after step ``resume_at``
    each rank writes a checkpoint - its trainer's model, optimizer and RNG state, and the
    feed's loader state - to ``checkpoint_dir``), and ``text-only`` (the upper bound).  A
    plain invocation trains :data:`~mindspeed_flow.train.runs.DEFAULT_RUNS`; ``--ablation``
    every run (``baseline-pp<N>`` included); ``--search-baselines`` the baselines' grid
-   (:mod:`mindspeed_flow.train.search`) and ``flowtrain``, without phases 2 and 3.
+   (:mod:`mindspeed_flow.train.search`) and ``flowtrain``, without phases 2 and 3, and
+   writes the winners as the ``layout.best_*`` keys (``best_baselines.yaml``).
 2. ``parity``: the baseline and flowtrain again for ``parity_steps`` steps in parity mode
    (fed the same packs); their step losses must agree
    (:class:`~mindspeed_flow.train.metrics.ParityResult`).
