@@ -142,6 +142,26 @@ def measure(run: RealRun, warmup: int) -> dict:
             "global_batch": batch}
 
 
+def row_job(name: str, iters: int, env: tuple, timeout_s: int) -> RealJob:
+    """The real job a row runs: its layout's ``RealJob`` (``hetero-parallel``:
+    ``test_real_job_hetero.HETERO`` as is) with this bench's iterations, environment and timeout."""
+    return replace(LAYOUTS[name], iters=iters, env=env, timeout_s=timeout_s)
+
+
+def table_line(mode: str, name: str, r: dict, base: dict | None, same_packs: dict | None) -> str:
+    """One row of the table: step-time ratios only against a row with the same logged global
+    batch (else nan: upstream rescales the hetero-parallel row's), samples/s against upstream,
+    the simulator's step where the layout has one."""
+    sim = r.get("sim_step_s")
+    same_batch = base is not None and r["global_batch"] == base["global_batch"]
+    return (f"{mode:<9}{name:<16}{r['step_s']:>8.3f}"
+            f"{base['step_s'] / r['step_s'] if same_batch else float('nan'):>12.2f}x"
+            f"{same_packs['step_s'] / r['step_s'] if same_packs and same_batch else float('nan'):>13.2f}x"
+            f"{r['samples_per_s']:>11.2f}"
+            f"{r['samples_per_s'] / base['samples_per_s'] if base else float('nan'):>12.2f}x"
+            f"{sim if sim else float('nan'):>12.3f}{sim / r['step_s'] if sim else float('nan'):>14.2f}")
+
+
 def draw(results: dict, path: Path) -> Path:
     import matplotlib
 
@@ -191,7 +211,7 @@ def main(argv=None) -> int:
         if mode == "emulated":
             env += (("REALJOB_EMULATE", f"{args.vit_s}:{args.llm_s}"),)
         for name in args.layouts:
-            job = replace(LAYOUTS[name], iters=args.iters, env=env, timeout_s=args.timeout)
+            job = row_job(name, args.iters, env, args.timeout)
             run = run_real_job(job, root / mode / name, check=False)
             done = sum(len(r) for r in results.values()) + 1
             print(f"[{done}/{total} {time.monotonic() - started:.0f} s] {mode} {name}: rc {run.returncode}, "
@@ -215,14 +235,7 @@ def main(argv=None) -> int:
     for mode, rows in results.items():
         base, same_packs = rows.get("upstream"), rows.get("colocated")
         for name, r in rows.items():
-            sim = r.get("sim_step_s")
-            same_batch = base is not None and r["global_batch"] == base["global_batch"]  # else step ratios say nothing
-            print(f"{mode:<9}{name:<16}{r['step_s']:>8.3f}"
-                  f"{base['step_s'] / r['step_s'] if same_batch else float('nan'):>12.2f}x"
-                  f"{same_packs['step_s'] / r['step_s'] if same_packs and same_batch else float('nan'):>13.2f}x"
-                  f"{r['samples_per_s']:>11.2f}"
-                  f"{r['samples_per_s'] / base['samples_per_s'] if base else float('nan'):>12.2f}x"
-                  f"{sim if sim else float('nan'):>12.3f}{sim / r['step_s'] if sim else float('nan'):>14.2f}")
+            print(table_line(mode, name, r, base, same_packs))
     print("(x: speed-up, the baseline's step time over this layout's, nan where the global batch differs; "
           "samples/s: consumed samples over step time)")
     for name, note in NOTES.items():
