@@ -21,11 +21,11 @@ upstream's unpacked path gives it (no ``seqlens`` / ``indices``); ``"packed_as_o
 control): the pack's tokens without ``seqlens`` / ``indices``, one sequence to the model.
 Each group is one backward of the summed per-token loss (``loss * loss tokens`` per batch:
 the model's default loss is the mean over the batch's loss tokens).
-Writes to ``QWEN3VL_PACKED_OUT``: the pack's batch and sample order, and per group: the summed loss, the loss tokens, every
-trainable parameter's gradient, the ``npu_fusion_attention`` calls (layout,
-``actual_seq_qlen``), the DeepStack injections and every op output whose last two dimensions
-both span a batch's LLM tokens or ViT patches (a dense ``[.., S, S]`` mask or score matrix); and the model's
-DeepStack layer indexes.
+Writes to ``QWEN3VL_PACKED_OUT``: the pack's batch and sample order, and per group: the summed
+loss, the loss tokens, every trainable parameter's gradient, the ``npu_fusion_attention``
+calls (layout, ``actual_seq_qlen``), the DeepStack injections and every op output whose last
+two dimensions both span a batch's LLM tokens or ViT patches (a dense ``[.., S, S]`` mask or
+score matrix); and the model's DeepStack layer indexes.
 """
 
 from __future__ import annotations
@@ -146,7 +146,9 @@ def run_group(entry, model, batches: list[dict], seen: dict[str, list]) -> dict:
     iterator = iter(batches)
     for batch in batches:
         pixels = batch.get("pixel_values")
-        sizes = {int(batch["input_ids"].shape[-1])} | ({int(pixels.shape[0])} if isinstance(pixels, torch.Tensor) else set())
+        sizes = {int(batch["input_ids"].shape[-1])}
+        if isinstance(pixels, torch.Tensor):
+            sizes.add(int(pixels.shape[0]))
         with SquareTensors(sizes) as recorder:
             output, _ = entry.forward_step(iterator, model)
             count = output["loss_mask"].sum()

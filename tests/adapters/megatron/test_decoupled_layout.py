@@ -107,15 +107,16 @@ def test_without_the_pool_feature_the_job_is_refused_at_start_up(tmp_path, tmp_p
 def test_the_flow_switch_is_read_and_what_the_flow_does_not_run_is_refused_naming_the_file(tmp_path):
     """``flow: true`` (issue 23) under ``decoupled:``: the layout runs FlowTrain's flow with its
     encoder batch size; a flow layout the real job does not run yet (here: two backbone
-    replicas and TP 2) is refused at start-up naming the file and each reason."""
+    replicas of two encoder replicas each, and TP 2) is refused at start-up naming the file and each reason."""
     path = layout_file(tmp_path, "decoupled: {encoder: {dp: 1}, backbone: {pp: 2}, flow: true, "
                                  "flow_encoder_batch_patches: 64}")
     assert decoupled_layout(args("--flow-schedule-config", str(path), world_size=3)) == DecoupledLayout(
         encoder_dp=1, backbone_pp=2, flow=True, flow_encoder_batch_patches=64)
     assert not load_decoupled(layout_file(tmp_path, "decoupled: {encoder: {dp: 1}, backbone: {pp: 2}}")).flow
-    wide = layout_file(tmp_path, "decoupled: {encoder: {dp: 2, tp: 2}, backbone: {dp: 2, pp: 2, tp: 2}, flow: true}")
+    wide = layout_file(tmp_path, "decoupled: {encoder: {dp: 4, tp: 2}, backbone: {dp: 2, pp: 2, tp: 2}, flow: true}")
     with pytest.raises(LayoutError) as refused:
-        decoupled_layout(args("--flow-schedule-config", str(wide), world_size=12))
+        decoupled_layout(args("--flow-schedule-config", str(wide), world_size=16))
     message = str(refused.value)
-    assert message.startswith(f"{wide}: decoupled.flow does not run here yet") and "backbone dp 2" in message
+    assert message.startswith(f"{wide}: decoupled.flow does not run here yet") and \
+        "backbone dp 2 with 2 encoder replicas per slice" in message
     assert "tensor parallelism (encoder tp 2, backbone tp 2" in message
