@@ -94,8 +94,11 @@ class FlowConfig:
         ``environment``: the flags a later namespace is checked over (default: this tree's)."""
         gone = frozenset(features) & self.features
         pool = PoolOptions(None) if "pool" in gone else self.pool
+        # A note that resolution turned a feature on ("fused_attn on with --flow-packing: ...")
+        # would contradict the withholding note that follows it.
+        kept = tuple(note for note in self.notes if not any(note.startswith(f"{name} on ") for name in gone))
         return replace(self, features=self.features - gone, pool=pool, withheld=self.withheld | gone,
-                       notes=(*self.notes, *notes),
+                       notes=(*kept, *notes),
                        environment=self.environment if environment is None else tuple(environment))
 
     def describe(self) -> str:

@@ -103,3 +103,16 @@ def test_one_list_of_pool_backends():
     (choices,) = [a.choices for a in parser._actions if a.dest == "flow_pool_backend"]
     assert BACKENDS is POOL_BACKENDS and tuple(choices) == POOL_BACKENDS
     assert tuple(backend_status()) == POOL_BACKENDS
+
+
+def test_withholding_a_feature_drops_the_note_that_turned_it_on():
+    """``--flow-packing`` turns fused_attn on with a note; an entry script that withholds
+    fused_attn must not log both "fused_attn on" and "fused_attn off"."""
+    config = FlowConfig.from_argv(["--flow-packing"], environ={})
+    assert "fused_attn" in config.features and any(n.startswith("fused_attn on ") for n in config.notes)
+    held = config.without(["fused_attn"], notes=["fused_attn off on this entry script: its targets are not there"])
+    assert "fused_attn" not in held.features and "fused_attn" in held.withheld
+    assert not any(n.startswith("fused_attn on ") for n in held.notes)
+    assert "fused_attn off on this entry script" in held.describe()
+    kept = config.without(["schedule"])
+    assert kept.notes == config.notes
