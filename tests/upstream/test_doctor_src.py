@@ -28,9 +28,9 @@ PLANTED = {
         "mindspeed_mm.models.transformers.qwen3vl.modules:Qwen3VLVisionPatchEmbed.__init__"),
 }
 # What --use-flowtrain patches on pretrain_transformers.py's path (the Qwen3-VL recipes), by
-# feature: (module the entry script, its model or its training loop reaches the target through,
-# target).  The conv_matmul and recipes rows are the plugin's own on this path; packing's are the
-# data targets pretrain_transformers.py imports by name.
+# feature.  conv_matmul's and recipes' act only through these targets here; packing's data targets
+# are names pretrain_transformers.py imports (ENTRY_IMPORTS); its schedule and checkpoint targets
+# and its accounting's train_step are Megatron's / MindSpeed-MM's loop that the entry script runs.
 TRANSFORMERS_PATH = {
     "conv_matmul": ["mindspeed_mm.models.transformers.qwen3vl.modules:Qwen3VLVisionPatchEmbed.__init__"],
     "recipes": ["megatron.core.optimizer:_get_param_groups",
@@ -38,8 +38,12 @@ TRANSFORMERS_PATH = {
                 "megatron.core.optimizer.optimizer:ChainedOptimizer.prepare_grads",
                 "megatron.training.arguments:validate_args"],
     "packing": ["mindspeed_mm.data:build_mm_dataset", "mindspeed_mm.data:build_mm_dataloader",
-                "mindspeed_mm.data.data_utils.utils:build_iterations"],
+                "mindspeed_mm.data.data_utils.utils:build_iterations",
+                "megatron.core.pipeline_parallel.schedules:get_forward_backward_func",
+                "megatron.training.checkpointing:save_checkpoint", "mindspeed_mm.training:train_step"],
 }
+ENTRY_IMPORTS = ["mindspeed_mm.data:build_mm_dataset", "mindspeed_mm.data:build_mm_dataloader",
+                 "mindspeed_mm.data.data_utils.utils:build_iterations", "mindspeed_mm.training:pretrain"]
 
 
 def doctor(*roots: Path) -> subprocess.CompletedProcess:
@@ -97,6 +101,6 @@ def test_the_targets_of_the_transformers_path_are_declared_and_found():
         for target in targets:
             assert rows[(feature, target)]["status"] == "found", rows.get((feature, target))
     entry_imports = imported_names(src.mindspeed_mm / "pretrain_transformers.py")
-    assert set(TRANSFORMERS_PATH["packing"]) <= entry_imports
+    assert set(ENTRY_IMPORTS) <= entry_imports
     model = src.mindspeed_mm / "mindspeed_mm" / "models" / "transformers" / "qwen3vl" / "modeling_qwen3_vl.py"
     assert ".modules:Qwen3VLVisionPatchEmbed" in imported_names(model)  # qwen3vl/modules.py, the target's module
