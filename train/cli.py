@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="search every co-located baseline's best configuration (baseline: PP x micro-batch size; "
                            "baseline-thd, three-phase: PP) on the same samples, in one launch, beside flowtrain; "
                            "the report compares flowtrain with each baseline at its best (baseline_search.json: the "
-                           "whole grid); no parity or resume phase")
+                           "whole grid; best_baselines.yaml: the layout.best_* lines to paste into the config); "
+                           "no parity or resume phase")
     parser.add_argument("--parity", action="store_true",
                         help="only the parity run: both runs fed the same packs, losses asserted equal")
     parser.add_argument("--no-resume-check", action="store_true", help="skip the checkpoint/resume check")
