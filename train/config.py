@@ -9,10 +9,12 @@ Unset keys keep the defaults below, which are the demo's (``configs/train/demo.y
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mindspeed_flow.packing import CostModel
 from mindspeed_flow.train.errors import ConfigError
 from mindspeed_flow.train.model import ModelConfig
 from mindspeed_flow.typed_yaml import build, read_yaml
@@ -21,6 +23,33 @@ POOL_BACKENDS = ("local", "shm", "torch")
 # layout keys that count ranks or microbatches: each must be >= 1 (checked at load, naming the key)
 LAYOUT_POSITIVE = ("world_size", "baseline_pp", "text_only_pp", "flow_encoder_dp", "flow_backbone_pp",
                    "flow_backbone_dp", "max_ahead")
+
+
+LLM_COST_TERMS = ("linear", "quadratic", "constant")  # the LLM's terms of a CostModel (what the grouping uses)
+
+
+@dataclass(frozen=True)
+class LlmCostConfig:
+    """The LLM's cost of a microbatch, ``constant + linear * sum(l) + quadratic * sum(l^2)``
+    over its samples' token counts ``l`` (:class:`~mindspeed_flow.packing.CostModel`): the
+    flow (``layout.flow: true``, ``train/stream.py``) fills and deals the backbone's
+    microbatches by it, so with attention's ``sum l^2`` term one long sample is not priced
+    like many short ones of the same token count.  Units are free (only ratios matter).
+
+    ``file``: the JSON ``scripts/calibrate_cost_model.py`` writes (its ``model``; the
+    encoder terms in it are kept, the grouping does not use them), read and checked when the
+    config loads, relative to the working directory like ``data.path``.  Otherwise the three
+    coefficients; ``quadratic: null`` is ``1 / data.capacity``: the defaults are the
+    loader's default cost model (``linear=1, quadratic=1/capacity``)."""
+
+    file: Optional[str] = None
+    linear: float = 1.0
+    quadratic: Optional[float] = None
+    constant: float = 0.0
+
+    @property
+    def coefficients_set(self) -> bool:
+        return (self.linear, self.quadratic, self.constant) != (1.0, None, 0.0)
 
 
 @dataclass(frozen=True)
@@ -41,6 +70,56 @@ class DataConfig:
     max_pixels: int = 50176
     num_workers: int = 1
     make_demo: bool = False
+    llm_cost: LlmCostConfig = field(default_factory=LlmCostConfig)
+
+    def llm_cost_model(self) -> CostModel:
+        """``llm_cost`` as a :class:`CostModel` (its file read now); a :class:`ConfigError`
+        names the key and the file when it cannot be one."""
+        cost = self.llm_cost
+        if cost.file is None:
+            quadratic = 1.0 / self.capacity if cost.quadratic is None else cost.quadratic
+            return _cost_model({"linear": cost.linear, "quadratic": quadratic, "constant": cost.constant},
+                               "data.llm_cost")
+        if cost.coefficients_set:
+            raise ConfigError(f"data.llm_cost: set either file ({cost.file}) or the coefficients "
+                              f"(linear, quadratic, constant), not both")
+        return _cost_model(_calibrated_terms(Path(cost.file)), f"data.llm_cost.file ({cost.file})")
+
+
+def _calibrated_terms(path: Path) -> dict[str, Any]:
+    """The ``model`` mapping of a ``scripts/calibrate_cost_model.py`` JSON at ``path``."""
+    key = f"data.llm_cost.file ({path})"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read the calibrated cost model ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{key}: not valid JSON: {exc}") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        raise ConfigError(f"{key}: no 'model' mapping (the JSON scripts/calibrate_cost_model.py writes has one)")
+    known = [f.name for f in dataclasses.fields(CostModel)]
+    unknown = sorted(set(model) - set(known))
+    if unknown:
+        raise ConfigError(f"{key}: unknown term model.{unknown[0]} (known: {', '.join(known)})")
+    return model
+
+
+def _cost_model(terms: dict[str, Any], key: str) -> CostModel:
+    """A :class:`CostModel` of ``terms``: numbers, none negative, some LLM term above 0
+    (a cost of 0 everywhere would group by nothing)."""
+    for name, value in terms.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: {name}: expected a number, got {type(value).__name__} {value!r}")
+    try:
+        model = CostModel(**terms)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if not any(getattr(model, name) > 0 for name in LLM_COST_TERMS):
+        raise ConfigError(f"{key}: the LLM terms ({', '.join(LLM_COST_TERMS)}) are all 0: no cost to group by")
+    return model
 
 
 @dataclass(frozen=True)
@@ -206,6 +285,11 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
     if lay.text_only_pp >= 1 and lay.world_size % lay.text_only_pp:
         problems.append(f"layout.text_only_pp: {lay.text_only_pp} does not divide layout.world_size {lay.world_size}")
     problems += _best_problems(cfg)
+    if cfg.data.capacity >= 1:  # the default quadratic term is 1 / capacity
+        try:
+            cfg.data.llm_cost_model()
+        except ConfigError as exc:
+            problems.append(str(exc))
     problems += _search_problems(cfg)
     if lay.flow and lay.pool_backend != "shm":
         problems.append(f"layout.flow: the flow runs on the 'shm' pool (one host), not {lay.pool_backend!r}")
@@ -276,5 +360,5 @@ def as_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-__all__ = ["ConfigError", "DataConfig", "LayoutConfig", "OptimConfig", "SearchConfig", "TrainConfig", "as_dict",
-           "check_config", "check_resume", "load_config"]
+__all__ = ["ConfigError", "DataConfig", "LayoutConfig", "LlmCostConfig", "OptimConfig", "SearchConfig", "TrainConfig",
+           "as_dict", "check_config", "check_resume", "load_config"]

@@ -6,7 +6,7 @@ the allocator's plan or the config's sizes), placed as :class:`~mindspeed_flow.f
 (encoder replicas first, then every backbone replica's stages).  Every rank cuts the step's
 packs into samples and groups them with :func:`~mindspeed_flow.flow.group_step` (pure, so
 all agree): the encoder's batches by patches, the backbone's microbatches packed *after*
-encoding by the LLM's cost, zig-zag over PP x DP.
+encoding by the LLM's cost (``data.llm_cost``), zig-zag over PP x DP.
 
 - ViT ranks are :class:`~mindspeed_flow.flow.EmbeddingProducer`\\ s: one pool entry per
   sample.  Trainable: forward and backward within the step (gradients come back through the
@@ -45,6 +45,15 @@ if TYPE_CHECKING:
     from mindspeed_flow.train.launch import DistEnv
 
 MERGED = 4  # ViT patches per image token (2x2 merger)
+
+
+def group_samples(metas: "list[SampleMeta]", cfg: "TrainConfig", ranks: FlowRanks, llm_cost: CostModel) -> FlowGrouping:
+    """One step's two groupings on ``ranks``: the encoder's batches by ViT patches (at most
+    ``layout.flow_encoder_batch_patches``), the backbone's microbatches by ``llm_cost``
+    (``cfg.data.llm_cost_model()``: ``data.llm_cost``, calibrated or the loader's default)."""
+    return group_step(metas, capacity=cfg.data.capacity, llm_cost=llm_cost, encoder_cost=EncoderCost(linear=1.0),
+                      encoder_budget=float(cfg.layout.flow_encoder_batch_patches),
+                      encoder_replicas=ranks.encoder_replicas, dp=ranks.dp, pp=ranks.pp)
 
 
 class StepSamples:
@@ -89,6 +98,7 @@ class StreamTrainer(Trainer):
                              f"Megatron's pipelines of {ranks.pp} ranks (the encoder replicas must be a multiple "
                              "of the backbone's pipeline size)")
         self.frozen = cfg.model.freeze_vit
+        self.llm_cost = cfg.data.llm_cost_model()  # data.llm_cost: its file is read once, here
         self.timeline_from_end = 2 if self.frozen else 1  # the last step has no next step to run ahead into
         self.plan_text = chosen.plan_text
         self.layout = (f"ViT DP={ranks.encoder_replicas} (flow, {'frozen: runs ahead' if self.frozen else 'trainable'})"
@@ -130,11 +140,7 @@ class StreamTrainer(Trainer):
 
     def grouping(self, samples: StepSamples) -> FlowGrouping:
         """The step's two groupings (every rank computes the same)."""
-        capacity = self.cfg.data.capacity
-        budget = self.cfg.layout.flow_encoder_batch_patches
-        return group_step(samples.metas, capacity=capacity, llm_cost=CostModel(linear=1.0, quadratic=1.0 / capacity),
-                          encoder_cost=EncoderCost(linear=1.0), encoder_budget=float(budget),
-                          encoder_replicas=self.ranks.encoder_replicas, dp=self.ranks.dp, pp=self.ranks.pp)
+        return group_samples(samples.metas, self.cfg, self.ranks, self.llm_cost)
 
     def forward_backward(self, data: "StepData") -> LocalStep:
         image_token = self.cfg.model.image_token_id
@@ -222,4 +228,4 @@ class StreamTrainer(Trainer):
             destroy_model_parallel()
 
 
-__all__ = ["StepSamples", "StreamTrainer"]
+__all__ = ["StepSamples", "StreamTrainer", "group_samples"]
