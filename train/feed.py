@@ -110,7 +110,7 @@ class StepFeed:
             cfg.data.path, None, capacity=cfg.data.capacity, dp_rank=0, dp_size=1,
             num_workers=cfg.data.num_workers, seed=cfg.seed, step_packs=cfg.data.packs_per_step,
             group=group, src=SOURCE_RANK if group is not None else None, device=env.device,
-            max_pixels=cfg.data.max_pixels)
+            max_pixels=cfg.data.max_pixels, cost_model=cfg.data.llm_cost_model())
         self._packs: Optional[Iterator[dict[str, Any]]] = None
         self.lookahead = lookahead
         self._next: Optional[StepData] = None  # read ahead, not handed out yet
