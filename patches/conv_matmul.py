@@ -6,7 +6,11 @@ The stride == kernel convolutions of Qwen2-VL's ``PatchEmbed`` (Conv3d), CLIP's 
 :class:`~mindspeed_flow.attention.patch_embed.PatchEmbedMatmul`, which keeps the conv's
 parameters in the conv's shape: checkpoints (model and optimizer, ``torch``, ``torch_dist`` and
 ``torch_dcp``, and the Hugging Face safetensors the Qwen3-VL path loads and saves) are the
-same with and without the flag.  ``mindspeed-flow
+same with and without the flag.  The Hugging Face ViT's conv keeps its type and gets the
+matmul forward (:class:`~mindspeed_flow.attention.patch_embed.MatmulConv3d`), so HF's
+from-scratch init (``post_init`` / ``init_weights``, by ``isinstance``) treats it as upstream's:
+the weights of a seeded model built without a checkpoint are upstream's, bit for bit.
+``mindspeed-flow
 convert-patch-embed`` converts the flat-layout checkpoints of earlier versions.
 """
 
@@ -38,9 +42,9 @@ PATCHES = [
     Patch(
         feature=FEATURE,
         target="mindspeed_mm.models.transformers.qwen3vl.modules:Qwen3VLVisionPatchEmbed.__init__",
-        wrapper=mindspeed_mm.swap_conv_after_init("proj"),
+        wrapper=mindspeed_mm.swap_conv_after_init("proj", keep_conv_type=True),
         params="self, config",
         checked=CHECKED_MM,
-        description="Qwen3-VL (pretrain_transformers.py, HF ViT) Qwen3VLVisionPatchEmbed.proj Conv3d -> matmul",
+        description="Qwen3-VL (pretrain_transformers.py, HF ViT) Qwen3VLVisionPatchEmbed.proj Conv3d with a matmul forward",
     ),
 ]

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from mindspeed_flow.attention.patch_embed import replace_conv
+from mindspeed_flow.attention.patch_embed import matmul_forward_for_conv, replace_conv
 from mindspeed_flow.attention.segments import lengths, offsets
 
 # packed_seq_params of the VLMModel.forward call in progress (None outside a packed call).
@@ -181,18 +181,26 @@ def mrope_on_packed(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     return q_embed.squeeze(1), k_embed.squeeze(1)
 
 
-def swap_conv_after_init(attribute: str) -> Callable[..., Any]:
+def swap_conv_after_init(attribute: str, *, keep_conv_type: bool = False) -> Callable[..., Any]:
     """A wrapper of ``__init__`` that replaces ``self.<attribute>`` (a stride == kernel
     conv) by :class:`~mindspeed_flow.attention.patch_embed.PatchEmbedMatmul`.
 
     The replacement keeps the conv's parameters in the conv's shape, at the same place in
     the module tree (same names, same registration order), so Megatron's checkpoints
     (``torch`` and ``torch_dist``, model and optimizer, distributed optimizer's flat
-    buffers included) are the same with and without the flag: nothing here touches them."""
+    buffers included) are the same with and without the flag: nothing here touches them.
+
+    ``keep_conv_type``: the conv (a Conv3d) stays the same module and only gets the matmul
+    forward (:class:`~mindspeed_flow.attention.patch_embed.MatmulConv3d`), for Hugging Face
+    models. Their ``post_init`` / ``init_weights`` run after this ``__init__`` and initialise
+    modules by ``isinstance(module, nn.Conv3d)``: the conv's weights copied into a
+    ``PatchEmbedMatmul`` here would be skipped there, keeping torch's default init (or
+    ``to_empty``'s uninitialised memory) and shifting the random numbers of every later module."""
+    swap = matmul_forward_for_conv if keep_conv_type else replace_conv
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
-        replace_conv(instance, attribute)
+        swap(instance, attribute)
         return result
 
     wrapper.__name__ = f"swap_{attribute}_for_matmul"

@@ -13,6 +13,10 @@ Its state dict, the optimizer state of its parameters and their sharded (``torch
 entries are therefore the convolution's, so checkpoints cross ``--flow-conv-matmul`` both
 ways with nothing to convert.
 
+``MatmulConv3d`` is the same matmul on a module that stays a ``torch.nn.Conv3d``, for models
+whose weight init finds convolutions by type after construction (Hugging Face's
+``PreTrainedModel``): their from-scratch init then treats it exactly as upstream's conv.
+
 Earlier versions of mindspeed-flow stored the weight flat, ``[E, C*prod(kernel)]``;
 such a state dict still loads (reshaped, with a warning that says how to convert the rest of
 the checkpoint).  ``conv_to_matmul_state`` / ``matmul_to_conv_state`` convert saved state
@@ -50,6 +54,45 @@ def replaceability_problems(conv: nn.Module) -> list[str]:
     if conv.groups != 1:
         problems.append(f"groups={conv.groups} is not 1")
     return problems
+
+
+def patch_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], in_channels: int,
+    kernel_size: tuple[int, ...],
+) -> torch.Tensor:
+    """A stride == kernel convolution as one matmul: ``patches @ weight.T + bias``.
+
+    ``weight`` is the kernel flattened to ``[E, C*prod(kernel)]`` (a view of the conv-shaped
+    parameter).  Same contract as the convolution: ``[B, C, *spatial]`` (or unbatched) in,
+    ``[B, E, *spatial // kernel]`` out; trailing pixels that fill no patch are dropped,
+    as the convolution drops them."""
+    n = len(kernel_size)
+    out_channels, features = weight.shape
+    unbatched = x.dim() == n + 1
+    if unbatched:
+        x = x.unsqueeze(0)
+    if x.dim() != n + 2 or x.shape[1] != in_channels:
+        raise ValueError(
+            f"expected [batch, {in_channels}, {n} spatial dims], got {tuple(x.shape)}"
+        )
+    grid = [s // k for s, k in zip(x.shape[2:], kernel_size)]
+    batch = x.shape[0]
+    if all(g == 1 for g in grid):
+        # One patch per sample (Qwen2-VL feeds patches already unfolded): a plain view.
+        patches = x[(..., *(slice(0, k) for k in kernel_size))].reshape(batch, features)
+        out = F.linear(patches, weight, bias).view(batch, out_channels, *grid)
+    else:
+        x = x[(..., *(slice(0, g * k) for g, k in zip(grid, kernel_size)))]
+        split = [batch, in_channels]
+        for g, k in zip(grid, kernel_size):
+            split += [g, k]
+        x = x.reshape(split)
+        grid_axes = [2 + 2 * i for i in range(n)]
+        kernel_axes = [3 + 2 * i for i in range(n)]
+        patches = x.permute(0, *grid_axes, 1, *kernel_axes).reshape(batch * math.prod(grid), features)
+        out = F.linear(patches, weight, bias).view(batch, *grid, out_channels)
+        out = out.permute(0, n + 1, *range(1, n + 1)).contiguous()
+    return out.squeeze(0) if unbatched else out
 
 
 class PatchEmbedMatmul(nn.Module):
@@ -133,36 +176,8 @@ class PatchEmbedMatmul(nn.Module):
         return conv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Same contract as the convolution: ``[B, C, *spatial]`` (or unbatched) in,
-        ``[B, E, *spatial // kernel]`` out; trailing pixels that fill no patch are dropped,
-        as the convolution drops them."""
-        n = len(self.kernel_size)
-        unbatched = x.dim() == n + 1
-        if unbatched:
-            x = x.unsqueeze(0)
-        if x.dim() != n + 2 or x.shape[1] != self.in_channels:
-            raise ValueError(
-                f"expected [batch, {self.in_channels}, {n} spatial dims], got {tuple(x.shape)}"
-            )
-        weight = self.matmul_weight()
-        grid = [s // k for s, k in zip(x.shape[2:], self.kernel_size)]
-        batch = x.shape[0]
-        if all(g == 1 for g in grid):
-            # One patch per sample (Qwen2-VL feeds patches already unfolded): a plain view.
-            patches = x[(..., *(slice(0, k) for k in self.kernel_size))].reshape(batch, self.features)
-            out = F.linear(patches, weight, self.bias).view(batch, self.out_channels, *grid)
-        else:
-            x = x[(..., *(slice(0, g * k) for g, k in zip(grid, self.kernel_size)))]
-            split = [batch, self.in_channels]
-            for g, k in zip(grid, self.kernel_size):
-                split += [g, k]
-            x = x.reshape(split)
-            grid_axes = [2 + 2 * i for i in range(n)]
-            kernel_axes = [3 + 2 * i for i in range(n)]
-            patches = x.permute(0, *grid_axes, 1, *kernel_axes).reshape(batch * math.prod(grid), self.features)
-            out = F.linear(patches, weight, self.bias).view(batch, *grid, self.out_channels)
-            out = out.permute(0, n + 1, *range(1, n + 1)).contiguous()
-        return out.squeeze(0) if unbatched else out
+        """Same contract as the convolution: see :func:`patch_matmul`."""
+        return patch_matmul(x, self.matmul_weight(), self.bias, self.in_channels, self.kernel_size)
 
     def _accept_flat_layout(self, state_dict, prefix, *args) -> None:
         """Let a state dict saved by an earlier mindspeed-flow (weight ``[E, C*prod(k)]``) load.
@@ -187,6 +202,37 @@ class PatchEmbedMatmul(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
                 f"bias={self.bias is not None}")
+
+
+class MatmulConv3d(nn.Conv3d):
+    """A ``torch.nn.Conv3d`` (stride == kernel) whose forward is :func:`patch_matmul`.
+
+    For models that find their convolutions by type after construction: Hugging Face's
+    ``PreTrainedModel._init_weights`` (``post_init``, and MindSpeed-MM's ``init_weights`` after
+    meta-device FSDP2 sharding) initialises ``isinstance(module, nn.Conv3d)`` with
+    ``normal_(0, initializer_range)``.  A :class:`PatchEmbedMatmul` is skipped there: its weight
+    keeps the conv's default init (or, after ``to_empty``, uninitialised memory) and every
+    module initialised after it draws other random numbers.  This class stays a Conv3d, so such
+    an init treats it, and draws from the RNG, exactly as it treats upstream's conv.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return patch_matmul(x, self.weight.reshape(self.out_channels, -1), self.bias, self.in_channels,
+                            tuple(self.kernel_size))
+
+    @classmethod
+    def adopt(cls, conv: nn.Module) -> "MatmulConv3d":
+        """``conv`` itself, now of this class (as ``torch.nn.utils.parametrize`` re-classes a module).
+
+        Nothing is built or copied: the parameters, their attributes, hooks and flags stay, and no
+        random number is drawn (building a new Conv3d would draw its default init and shift every
+        later init of a seeded model).  Refuses what cannot become a matmul."""
+        problems = (replaceability_problems(conv) if type(conv) is nn.Conv3d
+                    else [f"{type(conv).__name__} is not a torch.nn.Conv3d"])
+        if problems:
+            raise ConvNotReplaceable(f"cannot give {conv!r} a matmul forward: " + "; ".join(problems))
+        conv.__class__ = cls
+        return conv
 
 
 def conv_to_matmul_state(state: Mapping[str, torch.Tensor], keys: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -232,3 +278,8 @@ def replace_conv(parent: nn.Module, attribute: str) -> PatchEmbedMatmul:
     replacement = PatchEmbedMatmul.from_conv(getattr(parent, attribute))
     setattr(parent, attribute, replacement)
     return replacement
+
+
+def matmul_forward_for_conv(parent: nn.Module, attribute: str) -> MatmulConv3d:
+    """Give ``parent.<attribute>`` (a patch-embedding Conv3d) the matmul forward, keeping its type."""
+    return MatmulConv3d.adopt(getattr(parent, attribute))

@@ -8,7 +8,8 @@ Run by ``test_qwen3vl_hf_patch_embed.py`` (beside it) in a subprocess, never imp
 on ``PYTHONPATH``); MindSpeed's adaptor is imported first, as ``pretrain_transformers.py`` does.
 
 Environment: ``QWEN3VL_HF_IN`` (an HF directory to load; absent: random weights from
-``QWEN3VL_HF_SEED``), ``QWEN3VL_HF_SAVE`` (where ``save_pretrained`` writes), ``QWEN3VL_HF_OUT``
+``QWEN3VL_HF_SEED``), ``QWEN3VL_HF_INIT_ONLY`` (set: only the weights HF's own init gives a model
+built from the config with that seed, no forward), ``QWEN3VL_HF_SAVE`` (where ``save_pretrained`` writes), ``QWEN3VL_HF_OUT``
 (a ``torch.save`` file: the output, the DeepStack features, every parameter gradient, the
 patch embedding's module class and the plugin's patch statuses).
 """
@@ -43,10 +44,30 @@ def build():
     torch.manual_seed(int(os.environ.get("QWEN3VL_HF_SEED", "0")))
     model = Qwen3VLVisionModel._from_config(Qwen3VLVisionConfig(**CONFIG), dtype=torch.float32)
     model.config._attn_implementation = ATTENTION
+    if os.environ.get("QWEN3VL_HF_INIT_ONLY"):
+        return model
     with torch.no_grad():  # every parameter random (HF's init leaves biases and norms at constants)
         for param in model.parameters():
             param.normal_(0.0, 0.2)
     return model
+
+
+def hf_init_weights(model) -> dict[str, dict[str, torch.Tensor]]:
+    """The weights HF's own init gives ``model`` (built from the config), and its parameters after
+    MindSpeed-MM's meta-device sequence redoes it (``to_empty``, ``_is_hf_initialized`` reset,
+    ``init_weights``: ``TransformersModel`` and ``_post_fully_shard``): where a module is not
+    initialised by type, ``to_empty``'s memory stays.
+
+    ``post_init`` is called here: ``Qwen3VLVisionModel`` leaves it to the model that holds it
+    (``Qwen3VLModel.__init__`` calls it, and HF's init recurses into the ViT)."""
+    model.post_init()
+    after_post_init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.init_weights()
+    return {"post_init": after_post_init,
+            "init_weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
 def patch_statuses() -> dict[str, str]:
@@ -58,6 +79,11 @@ def patch_statuses() -> dict[str, str]:
 
 
 def main() -> None:
+    if os.environ.get("QWEN3VL_HF_INIT_ONLY"):
+        model = build()
+        torch.save({"init": hf_init_weights(model), "patch_embed": type(model.patch_embed.proj).__name__,
+                    "patches": patch_statuses()}, os.environ["QWEN3VL_HF_OUT"])
+        return
     model = build().float().train()
     grid = torch.tensor(GRID_THW)
     patches = int(grid.prod(dim=1).sum())

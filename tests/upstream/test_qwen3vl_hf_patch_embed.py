@@ -15,6 +15,12 @@ upstream's (fp32, 1e-5 absolute; both sides compute the same products in another
 here 1.9e-6 on outputs of magnitude ~2.5, 2.8e-7 on gradients); the HF safetensors the plugin
 saves are upstream's, bit for bit; and ``convert-patch-embed`` takes that file to the flat layout
 and back exactly.
+
+Trained from scratch (no checkpoint): the model built from its config with the same seed has
+upstream's weights, patch embedding included, bit for bit, after HF's ``post_init`` and after
+MindSpeed-MM's meta-device re-init (``to_empty`` + ``init_weights``).  The patched conv stays
+a ``Conv3d`` (``MatmulConv3d``), which HF's init finds by ``isinstance``; a
+``PatchEmbedMatmul`` there kept torch's default init and shifted every later module's draws.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ DRIVER = Path(__file__).resolve().parent / "qwen3vl_hf_patch_embed_driver.py"
 TARGET = "mindspeed_mm.models.transformers.qwen3vl.modules:Qwen3VLVisionPatchEmbed.__init__"
 WEIGHT = "patch_embed.proj.weight"
 TOL = 1e-5
+SEED = "3"
 
 
 def run_vit(workdir: Path, plugin: bool, **env: str) -> dict:
@@ -64,7 +71,7 @@ def test_matmul_patch_embedding_equals_the_conv_on_the_hf_qwen3vl_vit(runs, tmp_
     plain = run_vit(tmp_path / "plain", plugin=False, QWEN3VL_HF_SAVE=str(upstream_dir))
     ours = run_vit(tmp_path / "ours", plugin=True, QWEN3VL_HF_IN=str(upstream_dir), QWEN3VL_HF_SAVE=str(ours_dir))
     assert plain["patch_embed"] == "Conv3d" and plain["patches"] == {}
-    assert ours["patch_embed"] == "PatchEmbedMatmul" and ours["patches"][TARGET] == "applied"
+    assert ours["patch_embed"] == "MatmulConv3d" and ours["patches"][TARGET] == "applied"
     torch.testing.assert_close(ours["output"], plain["output"], atol=TOL, rtol=0)
     assert len(plain["deepstack"]) == 1
     for theirs, mine in zip(plain["deepstack"], ours["deepstack"], strict=True):
@@ -86,3 +93,20 @@ def test_matmul_patch_embedding_equals_the_conv_on_the_hf_qwen3vl_vit(runs, tmp_
     assert convert("convert-patch-embed", str(flat), str(back), "--to", "conv", "--in-and-kernel", "3,2,16,16") == 0
     restored = load_file(str(back))
     assert restored.keys() == saved_up.keys() and all(torch.equal(restored[k], v) for k, v in saved_up.items())
+
+
+def test_a_model_built_from_its_config_is_initialised_as_upstream(runs, tmp_path):
+    """Same seed, no checkpoint: every weight bit for bit upstream's, the patch embedding's too."""
+    plain = run_vit(tmp_path / "plain", plugin=False, QWEN3VL_HF_INIT_ONLY="1", QWEN3VL_HF_SEED=SEED)
+    ours = run_vit(tmp_path / "ours", plugin=True, QWEN3VL_HF_INIT_ONLY="1", QWEN3VL_HF_SEED=SEED)
+    assert plain["patch_embed"] == "Conv3d" and plain["patches"] == {}
+    assert ours["patch_embed"] == "MatmulConv3d" and ours["patches"][TARGET] == "applied"
+    for stage in ("post_init", "init_weights"):
+        theirs, mine = plain["init"][stage], ours["init"][stage]
+        assert mine.keys() == theirs.keys() and WEIGHT in theirs, stage
+        for key, tensor in theirs.items():
+            assert mine[key].dtype == tensor.dtype and torch.equal(mine[key], tensor), (stage, key)
+        # HF's init reached the conv (normal(0, initializer_range 0.02), bias zeroed), not torch's
+        # default kaiming-uniform (std 1/sqrt(3 * 1536) = 0.0147, bias nonzero)
+        assert abs(theirs[WEIGHT].std().item() - 0.02) < 0.002, stage
+        assert not theirs[WEIGHT.replace("weight", "bias")].any(), stage
