@@ -55,6 +55,7 @@ import torch
 from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.accounting import record_microbatch
 from mindspeed_flow.data.batch import completed_samples, pack_multiple, real_tokens
+from mindspeed_flow.data.conversation import DEFAULT_TEMPLATE, template_system
 from mindspeed_flow.data.handoff import ChunkView, StepBatches
 from mindspeed_flow.schedule.regions import ENCODER_REGION
 
@@ -88,7 +89,10 @@ class FlowDatasetSpec:
     """What ``build_mm_dataset`` returns under ``--flow-packing``: the corpus, not its rows.
 
     ``records``: the record indices of ``source`` this split reads (``None``: all of them);
-    ``split``: ``"train"`` or ``"valid"`` (the held-out part, see :func:`build_dataset`)."""
+    ``split``: ``"train"`` or ``"valid"`` (the held-out part, see :func:`build_dataset`);
+    ``template``: the data config's ``basic_parameters.template`` (the chat template, which
+    decides the system turn a record without one gets; ``qwen2vl`` when the config names
+    none), checked here so a template the loader does not reproduce stops the job at start-up."""
 
     source: str
     image_root: Optional[str]
@@ -97,6 +101,7 @@ class FlowDatasetSpec:
     max_pixels: Optional[int]
     records: Optional[tuple[int, ...]] = None
     split: str = "train"
+    template: str = DEFAULT_TEMPLATE
 
     @classmethod
     def from_dataset_param(cls, dataset_param: dict) -> "FlowDatasetSpec":
@@ -112,8 +117,10 @@ class FlowDatasetSpec:
             raise ValueError(f"--flow-packing needs basic_parameters.dataset to name one .json/.jsonl file or a "
                              f"directory of them, got {source!r}")
         pixels = {k: pre.get(f"image_{k}") for k in ("min_pixels", "max_pixels")}
+        template = basic.get("template") or DEFAULT_TEMPLATE
+        template_system(template, "--flow-packing: the data config's dataset_param.basic_parameters.template")
         return cls(str(source), basic.get("dataset_dir"), pre.get("model_name_or_path"),
-                   pixels["min_pixels"] or None, pixels["max_pixels"] or None)
+                   pixels["min_pixels"] or None, pixels["max_pixels"] or None, template=template)
 
 
 def load_processor(path: Optional[str]) -> Any:
@@ -366,7 +373,7 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         group=peers if dist.get_world_size(peers) > 1 else None,
         device="cpu" if gloo else torch.device("cuda", torch.cuda.current_device()),
         image_root=spec.image_root, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
-        records=spec.records, pad_multiple=multiple,
+        records=spec.records, pad_multiple=multiple, template=spec.template,
         processor_file=os.path.join(str(spec.processor_path), "preprocessor_config.json"),
     )
     if getattr(margs, "load", None) and getattr(margs, "iteration", 0) > 0 and loader.decoding:

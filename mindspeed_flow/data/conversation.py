@@ -1,22 +1,43 @@
-"""A MindSpeed-MM conversation record -> token ids and labels (the ``qwen2vl`` template).
+"""A MindSpeed-MM conversation record -> token ids and labels (the ``qwen2vl`` and
+``qwen3_vl_nothink`` chat templates, :data:`TEMPLATE_SYSTEMS`).
 
 ``<|im_start|>system\\n{system}<|im_end|>\\n`` (when the record or the default has one),
 then per turn ``<|im_start|>{role}\\n{content}<|im_end|>\\n``.  Only assistant contents
 and their closing ``<|im_end|>\\n`` are trained; everything else gets label -100.  Each
 ``<image>`` in a content becomes ``<|vision_start|>`` + ``n`` image tokens +
 ``<|vision_end|>``, ``n`` being that image's LLM token count.
+
+The two templates have the same turn slots and differ only in the system turn a record
+without one gets: ``qwen2vl`` adds ``"You are a helpful assistant."``, ``qwen3_vl_nothink``
+none.  Training on the other one's text would be silently wrong (every sample some tokens
+longer or shorter than upstream's), so the job's template name picks it
+(:func:`template_system`) and a template whose text is not reproduced here is refused.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .errors import BadConversation
+from .errors import BadConversation, UnsupportedTemplate
 from .tokenizer import TextTokenizer
 
 IGNORE = -100
 IMAGE_PLACEHOLDER = "<image>"
 DEFAULT_SYSTEM = "You are a helpful assistant."
+DEFAULT_TEMPLATE = "qwen2vl"  # when the job names none
+# MindSpeed-MM chat template name -> the system turn it adds to a record without one.
+# ``qwen3_vl`` (thinking: a ReasoningTemplate adding thought words) is not reproduced.
+TEMPLATE_SYSTEMS: dict[str, str | None] = {"qwen2vl": DEFAULT_SYSTEM, "qwen3_vl_nothink": None}
+
+
+def template_system(template: str, where: str = "template") -> str | None:
+    """The default system turn of MindSpeed-MM's chat template ``template``;
+    :class:`UnsupportedTemplate` naming ``where`` (the setting that named it) and the
+    supported names when this module does not produce that template's text."""
+    if template not in TEMPLATE_SYSTEMS:
+        raise UnsupportedTemplate(f"{where}: {template!r} is not a chat template the packing loader reproduces; "
+                                  f"supported: {sorted(TEMPLATE_SYSTEMS)}")
+    return TEMPLATE_SYSTEMS[template]
 
 
 def placeholder_count(record: dict[str, Any]) -> int:

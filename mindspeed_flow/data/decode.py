@@ -84,6 +84,7 @@ class Decoder:
     min_pixels: int = MIN_PIXELS
     max_pixels: int = MAX_PIXELS
     geometry: ImageGeometry = QWEN2_VL  # the processor's patches and mean/std (its pixel bounds: the two above)
+    default_system: str | None = DEFAULT_SYSTEM  # the chat template's (conversation.template_system)
     _image_token_id: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -117,7 +118,7 @@ class Decoder:
         except (BadConversation, BadImage) as e:
             return BadSample(index, place, e.kind, str(e))
         ids, labels = tokenize_conversation(messages, [self.geometry.tokens(g) for g in grids], self.tokenizer,
-                                            system=record.get("system", DEFAULT_SYSTEM))
+                                            system=record.get("system", self.default_system))
         input_ids = torch.tensor(ids, dtype=torch.int64)
         needed = sum(self.geometry.tokens(g) for g in grids)
         found = int((input_ids == self._image_token_id).sum())

@@ -47,3 +47,9 @@ class ProcessorConfigError(FlowError, ValueError):
     """The job's image processor lacks a value the loader needs to cut images the way the
     model wants them (patch, merge or temporal size, mean/std, pixel bounds): the message
     names the processor's file and the key."""
+
+
+class UnsupportedTemplate(FlowError, ValueError):
+    """A chat template (MindSpeed-MM's ``basic_parameters.template``) whose text the loader
+    does not reproduce: training would silently see other tokens than upstream's, so the
+    loader refuses at start-up, naming the setting, its value and the supported names."""

@@ -24,7 +24,7 @@ which is deterministic, instead of storing pixels), and the counters.  A resumed
 yields exactly the packs the uninterrupted one would have yielded.
 
 Resuming with a different ``dp_size``, ``dp_rank``, ``num_workers``, ``seed``,
-``capacity``, ``window``, ``overlong``, pixel bounds or corpus size is refused with a
+``capacity``, ``window``, ``overlong``, pixel bounds, chat template or corpus size is refused with a
 :class:`.errors.ResumeMismatch` (a ``ValueError``) naming what differs.  A new DP layout is
 refused because the epoch's remaining samples are spread over every rank's state and
 re-sharding them would need all ranks' states at once; the other settings change the order
@@ -50,6 +50,7 @@ from mindspeed_flow.packing import BestFitPacker, CostModel, dispatch
 
 from . import broadcast
 from .batch import collate_pack, real_tokens
+from .conversation import DEFAULT_TEMPLATE, template_system
 from .decode import BadSample, Decoder, Sample, from_wire, to_wire
 from .errors import ResumeMismatch
 from .images import QWEN2_VL, ImageGeometry
@@ -65,7 +66,7 @@ log = logging.getLogger("mindspeed_flow.data")
 STATE_FORMAT = 1
 # Settings that must match on resume (see the module docstring).
 RESUME_KEYS = ("dp_rank", "dp_size", "num_workers", "seed", "capacity", "window", "corpus_size", "shuffle",
-               "overlong", "min_pixels", "max_pixels", "records", "image_geometry")
+               "overlong", "min_pixels", "max_pixels", "records", "image_geometry", "template")
 Key = tuple[int, int]  # (record index, chunk)
 # Packs joined at once on threads of the decoding process.  The join (normalising a pack's
 # pixels into a fresh float32 buffer) is most of this process's work and releases the GIL,
@@ -115,6 +116,10 @@ class FlowDataLoader:
             multiple of it.  The padding is counted in ``stats.pad_tokens``.
         prefetch_factor: samples each worker decodes ahead (8: the workers keep decoding
             while this process packs and joins).
+        template: MindSpeed-MM's chat template the records are written in (its
+            ``basic_parameters.template``): ``"qwen2vl"`` or ``"qwen3_vl_nothink"``, which
+            differ in the system turn a record without one gets; another name is refused
+            (:func:`.conversation.template_system`).
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class FlowDataLoader:
         records: Optional[Sequence[int]] = None,
         pad_multiple: int = 1,
         processor_file: str = "preprocessor_config.json",
+        template: str = DEFAULT_TEMPLATE,
     ) -> None:
         if overlong not in POLICIES:
             raise ValueError(f"overlong must be one of {POLICIES}, got {overlong!r}")
@@ -155,6 +161,7 @@ class FlowDataLoader:
             raise ValueError(f"capacity {capacity} must be a multiple of pad_multiple {pad_multiple} (>= 1): a padded "
                              f"pack must still fit the capacity")
         self.pad_multiple = pad_multiple
+        self.template, default_system = template, template_system(template)
         check_rank(dp_rank, dp_size)  # here, not first in a decoding worker
         self.capacity, self.window, self.overlong, self.bad_input = capacity, window, overlong, bad_input
         self.dp_rank, self.dp_size, self.num_workers, self.seed, self.shuffle = dp_rank, dp_size, num_workers, seed, shuffle
@@ -182,7 +189,7 @@ class FlowDataLoader:
         self._decoder = Decoder(
             corpus, tokenizer, Path(image_root) if image_root is not None else None,
             min_pixels if min_pixels is not None else geometry.min_pixels,
-            max_pixels if max_pixels is not None else geometry.max_pixels, geometry,
+            max_pixels if max_pixels is not None else geometry.max_pixels, geometry, default_system,
         )
         self._image_token_id = tokenizer.special.image_pad
         self._pad_id = tokenizer.special.pad
@@ -316,6 +323,7 @@ class FlowDataLoader:
     def _settings(self) -> dict[str, Any]:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers, "seed": self.seed,
                 "capacity": self.capacity, "window": self.window, "shuffle": self.shuffle, "overlong": self.overlong,
+                "template": None if self.template == DEFAULT_TEMPLATE else self.template,  # older states: qwen2vl
                 **({"corpus_size": len(self._decoder.corpus), "min_pixels": self._decoder.min_pixels,
                     "max_pixels": self._decoder.max_pixels, "records": _records_digest(self._records),
                     "image_geometry": _geometry_key(self.geometry)}
