@@ -26,6 +26,7 @@ from torch import nn
 from mindspeed_flow.adapters.mindspeed_mm.model import swap_conv_after_init
 from mindspeed_flow.attention.patch_embed import (
     ConvNotReplaceable,
+    MatmulConv3d,
     PatchEmbedMatmul,
     conv_to_matmul_state,
     matmul_to_conv_state,
@@ -248,3 +249,40 @@ def test_init_wrapper_swaps_the_conv_of_a_stand_in_patch_embed():
 
 
 # --- the conversion CLI, through a small argparse parser
+
+
+@pytest.mark.parametrize("shape", [(24, 3, 2, 16, 16), (3, 2, 16, 16), (2, 3, 5, 35, 40)],
+                         ids=["qwen3vl-patches", "unbatched", "ragged-edges"])
+def test_adopted_conv3d_keeps_its_parameters_and_computes_the_conv(shape):
+    """``MatmulConv3d.adopt`` (the Hugging Face path) re-classes the conv in place: same
+    parameter objects and state dict, still an ``nn.Conv3d`` for type-driven inits, and its
+    matmul forward/backward equal the convolution."""
+    torch.manual_seed(0)
+    conv = nn.Conv3d(3, 64, (2, 16, 16), stride=(2, 16, 16), bias=True)
+    reference = nn.Conv3d(3, 64, (2, 16, 16), stride=(2, 16, 16), bias=True)
+    reference.load_state_dict(conv.state_dict())
+    weight, state = conv.weight, {k: v.clone() for k, v in conv.state_dict().items()}
+    adopted = MatmulConv3d.adopt(conv)
+    assert adopted is conv and isinstance(conv, nn.Conv3d) and type(conv) is MatmulConv3d
+    assert conv.weight is weight and conv.state_dict().keys() == state.keys()
+    assert all(torch.equal(conv.state_dict()[k], v) for k, v in state.items())
+    x = torch.randn(shape, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, ref = conv(x), reference(x_ref)
+    assert out.shape == ref.shape
+    assert max_rel(out, exact_conv(reference, x_ref.detach())) < 1e-6
+    grad = torch.randn_like(ref)
+    out.backward(grad)
+    ref.backward(grad)
+    assert max_rel(conv.weight.grad, reference.weight.grad) < 1e-5
+    assert max_rel(x.grad, x_ref.grad) < 1e-5
+
+
+@pytest.mark.parametrize("conv, reason", [
+    (nn.Conv3d(3, 8, (2, 16, 16), stride=(1, 16, 16)), "stride"),
+    (nn.Conv2d(3, 8, 16, stride=16), "not a torch.nn.Conv3d"),
+])
+def test_adopt_refuses_what_cannot_become_a_matmul(conv, reason):
+    with pytest.raises(ConvNotReplaceable, match=reason):
+        MatmulConv3d.adopt(conv)
+    assert type(conv) in (nn.Conv3d, nn.Conv2d)  # left as it was
