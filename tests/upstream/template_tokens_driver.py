@@ -43,7 +43,8 @@ def plugin_tokens(corpus: Path, processor, template: str, count: int) -> list[tu
     return out
 
 
-def upstream_tokens(corpus: Path, processor_dir: str, template_name: str, count: int) -> list[tuple[list[int], list[int]]]:
+def upstream_tokens(corpus: Path, processor_dir: str, template_name: str,
+                    count: int) -> list[tuple[list[int], list[int]]]:
     """Each record's ``(input_ids, labels)`` from MindSpeed-MM's template and dataset processor,
     tokenizer and processor loaded by its own ``load_tokenizer`` as the job's data config sets it
     (``use_fast_tokenizer: false``, the processor's pixel bounds)."""
