@@ -9,9 +9,11 @@ loader into a buffer and hands out packs ``[1, S]`` with ``seqlens`` / ``indices
 
 Asserted:
 
-- it trains 8 iterations with finite losses; every microbatch is a pack of several samples; the
-  consumed samples Megatron logs are the samples fed (``training.train`` all-gathers the loader's
-  count), none twice within an epoch;
+- it trains 8 iterations with finite losses, with Megatron's DDP on one rank and with FSDP2 on 2
+  gloo ranks (the recipe's ``fsdp2_config.yaml``); every microbatch is a pack ``[1, S]``, packs
+  of several samples among them; the consumed samples Megatron logs are the samples fed
+  (``training.train`` all-gathers the loaders' counts over the data-parallel group), and each
+  rank's first epoch feeds its shard once;
 - **upstream defect 1**: saved at iteration 4 and resumed, the run crashes before its first step.
   ``training.train`` adds the all-gathered count as a tensor, so ``consumed_train_samples`` is
   checkpointed as a tensor; on load it reaches ``BaseRandomBatchSampler`` whose
@@ -43,11 +45,13 @@ from realjob import STANDINS
 from realjob_run import RealRun
 from realjob_transformers import TransformersJob
 from test_real_job import ITERS, assert_finished
+from test_real_job_qwen3vl import FSDP2, assert_consumed_counts_fed, assert_packs_every_sample_once
 
 SAVE_AT = 4
 SAMPLES = 48  # TransformersJob's corpus: one epoch
+BUFFER = 16  # samples the batcher holds to pick a pack from
 DYNAMIC_BATCHING = (("gpt_args.use_txt_dynamic_batching", True), ("gpt_args.max_seq_len", 192),
-                    ("gpt_args.dynamic_batch_buffer_size", 16))
+                    ("gpt_args.dynamic_batch_buffer_size", BUFFER))
 # Checkpoint paths relative to each run's folder (RealJobs runs every job in root/<name>).
 JOBS = {
     "q3_dyn": TransformersJob(iters=ITERS, yaml_patch=DYNAMIC_BATCHING + (
@@ -56,6 +60,7 @@ JOBS = {
         ("gpt_args.load", "../q3_dyn/ckpt"), ("gpt_args.ckpt_step", SAVE_AT))),
     "q3_dyn_resume_int": TransformersJob(iters=ITERS, yaml_patch=DYNAMIC_BATCHING + (
         ("gpt_args.load", "ckpt_int"), ("gpt_args.ckpt_step", SAVE_AT))),
+    "q3_dyn_fsdp2": TransformersJob(iters=ITERS, yaml_patch=DYNAMIC_BATCHING, **FSDP2),
 }
 CRASH = "RuntimeError: manual_seed expected a long, but got Tensor"
 # Rewrites consumed_train_samples of a Megatron `torch` checkpoint as an int (run with Megatron on the path).
@@ -95,21 +100,36 @@ def checkpoint_with_int_consumed(real_jobs, full: RealRun) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def one_sample_packs(run_: RealRun) -> list[tuple[int, int]]:
+    """(DP rank, samples that rank had fed through the pack) for each training pack of one sample."""
+    fed_so_far: Counter = Counter()
+    singles = []
+    for batch in sorted((b for b in run_.batches if b["training"]), key=lambda b: (b["dp"], b["iteration"])):
+        tags = batch["rows"][0][0]["tags"]
+        fed_so_far[batch["dp"]] += len(tags)
+        if len(tags) == 1:
+            singles.append((batch["dp"], fed_so_far[batch["dp"]]))
+    return singles
+
+
+def assert_trains_packs_and_counts(run_: RealRun) -> None:
+    """8 iterations with finite losses; every microbatch one pack ``[1, S]`` of several samples,
+    but for a rank's last packs of its first epoch: when its sampler runs dry the batcher flushes
+    its buffer (``drop_last`` False), and those packs may hold one sample; the logged consumed
+    samples grown by the samples fed over the DP ranks; each DP rank's first epoch feeds its shard
+    once and the shards together are the corpus."""
+    assert_finished(run_)
+    assert sorted({iteration for iteration, _, _ in run_.fed}) == list(range(1, ITERS + 1))
+    assert all(b["shape"][0] == 1 and len(b["rows"]) == 1 for b in run_.batches if b["training"])
+    share = SAMPLES // run_.job.dp
+    assert all(share - BUFFER < through <= share for _, through in one_sample_packs(run_)), one_sample_packs(run_)
+    assert_consumed_counts_fed(run_)
+    assert_packs_every_sample_once(run_)
+
+
 def test_upstream_dynamic_batching_trains_packs_and_counts_what_it_fed(real_jobs):
     run_ = run(real_jobs, "q3_dyn")
-    assert_finished(run_)
-    fed = fed_per_iteration(run_)
-    assert sorted(fed) == list(range(1, ITERS + 1))
-    # each microbatch is one pack of several samples, [1, S] with upstream's seqlens
-    batches = [b for b in run_.batches if b["training"]]
-    assert batches and all(b["shape"][0] == 1 for b in batches)
-    assert max(len(b["rows"][0][0]["tags"]) for b in batches) > 1
-    previous = 0
-    for iteration in range(1, ITERS + 1):
-        assert run_.consumed[iteration] - previous == len(fed[iteration]), (iteration, run_.consumed, fed)
-        previous = run_.consumed[iteration]
-    first_epoch = run_.fed_samples()[:SAMPLES]
-    assert sorted(first_epoch) == list(range(SAMPLES))  # uninterrupted: each sample once in the epoch
+    assert_trains_packs_and_counts(run_)
     # the premise of the resume below: the checkpoint falls inside an epoch, the buffer holds samples
     assert 0 < run_.consumed[SAVE_AT] < SAMPLES
 
@@ -148,3 +168,13 @@ def test_upstream_resume_with_int_consumed_samples_feeds_samples_twice_and_skips
     # the data after the resume is not the uninterrupted run's
     uninterrupted_after = [t for i, tags in sorted(fed_per_iteration(full).items()) if i > SAVE_AT for t in tags]
     assert after != uninterrupted_after
+
+
+def test_upstream_dynamic_batching_under_fsdp2_on_two_ranks(real_jobs):
+    """The same dynamic batching with FSDP2 on 2 gloo ranks: it runs as without FSDP2, each rank
+    packing from its own shard of the sampler (``DynamicBatchingDataLoader`` wraps each rank's
+    loader; ``training.train`` all-gathers the ranks' counts over the data-parallel group)."""
+    run_ = run(real_jobs, "q3_dyn_fsdp2")
+    assert_trains_packs_and_counts(run_)
+    assert {dp for _, dp, _ in run_.fed} == {0, 1}
+    assert any("base_model DeviceMesh / init_device_mesh: device 'npu' -> 'cpu'" in shim for shim in run_.shims)
