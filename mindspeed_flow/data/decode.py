@@ -118,7 +118,7 @@ class Decoder:
         except (BadConversation, BadImage) as e:
             return BadSample(index, place, e.kind, str(e))
         ids, labels = tokenize_conversation(messages, [self.geometry.tokens(g) for g in grids], self.tokenizer,
-                                            system=record.get("system", self.default_system))
+                                            system=record.get("system") or self.default_system)
         input_ids = torch.tensor(ids, dtype=torch.int64)
         needed = sum(self.geometry.tokens(g) for g in grids)
         found = int((input_ids == self._image_token_id).sum())

@@ -5,7 +5,9 @@ under one template does not resume under another."""
 
 from __future__ import annotations
 
+import json
 import pickle
+import shutil
 
 import pytest
 
@@ -104,3 +106,16 @@ def test_a_state_saved_before_the_template_was_recorded_resumes_under_qwen2vl(co
     loader.load_state_dict(older)
     with pytest.raises(ResumeMismatch, match="template: saved None, now 'qwen3_vl_nothink'"):
         FlowDataLoader(corpus, None, template="qwen3_vl_nothink", **SETTINGS).load_state_dict(older)
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATE_SYSTEMS))
+def test_an_empty_system_field_gets_the_templates_default_as_upstream_gives_it(corpus, tmp_path, template):
+    """Upstream's template encodes ``system or default_system``: a record whose ``system`` is
+    ``""`` (or null) is tokenized as one without the field."""
+    blank = tmp_path / "blank_system"
+    shutil.copytree(corpus, blank)
+    for shard in blank.glob("*.jsonl"):
+        records = [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
+        shard.write_text("".join(json.dumps({**r, "system": "" if k % 2 else None}) + "\n"
+                                 for k, r in enumerate(records)))
+    assert _tokens(blank, template) == _tokens(corpus, template)
