@@ -64,7 +64,8 @@ def loader_packs(corpus: Path, processor_dir: str, records=None) -> list[dict]:
     from mindspeed_flow.data import FlowDataLoader
 
     loader = FlowDataLoader(corpus, load_processor(processor_dir), capacity=CAPACITY, num_workers=0,
-                            shuffle=False, window=8, image_root=corpus.parent, records=records)
+                            shuffle=False, window=8, image_root=corpus.parent, records=records,
+                            template="qwen3_vl_nothink")  # the Qwen3-VL recipes' chat template
     return list(loader)
 
 
