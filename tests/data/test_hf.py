@@ -82,13 +82,19 @@ def _python_with_transformers() -> str | None:
     return None
 
 
-def test_images_and_tokenizers_match_hugging_face(tmp_path_factory, tmp_path):
+def python_with_transformers() -> str:
+    """:func:`_python_with_transformers`, or skip (fail where the upstream set requires it)."""
     python = _python_with_transformers()
     if python is None:
         message = "no interpreter with transformers (run scripts/setup_upstream_env.sh)"
         if os.environ.get("MINDSPEED_FLOW_UPSTREAM_REQUIRED") == "1":
             pytest.fail(message)
         pytest.skip(message)
+    return python
+
+
+def test_images_and_tokenizers_match_hugging_face(tmp_path_factory, tmp_path):
+    python = python_with_transformers()
     rng = np.random.default_rng(0)
     images = []
     for i, (w, h) in enumerate([(40, 448), (448, 40), (30, 30), (1000, 700), (224, 224), (57, 113)]):

@@ -6,7 +6,6 @@ as Qwen3-VL's (in a child interpreter that has transformers, as ``test_hf.py`` d
 
 from __future__ import annotations
 
-import os
 import subprocess
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ from mindspeed_flow.data.tokenizer import load_tokenizer
 
 from data_corpus import demo_corpus
 from subprocess_utils import last_json
-from tests.data.test_hf import REPO, _python_with_transformers
+from tests.data.test_hf import REPO, python_with_transformers
 
 QWEN3_VL_PREPROCESSOR = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3,
                          "image_std": [0.5] * 3, "min_pixels": 64 * 64, "max_pixels": 128 * 128}
@@ -102,12 +101,7 @@ print(json.dumps(out))
 
 
 def test_qwen3_vl_images_match_hugging_face(tmp_path):
-    python = _python_with_transformers()
-    if python is None:
-        message = "no interpreter with transformers (run scripts/setup_upstream_env.sh)"
-        if os.environ.get("MINDSPEED_FLOW_UPSTREAM_REQUIRED") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    python = python_with_transformers()
     rng = np.random.default_rng(1)
     images = []
     for i, (w, h) in enumerate([(40, 300), (300, 40), (30, 30), (500, 350), (57, 113)]):
