@@ -50,6 +50,19 @@ print(json.dumps(verdicts))
 '''
 
 
+def real_parses(variants: dict[str, list[str]], sources, tmp_path: Path) -> dict[str, dict]:
+    """What Megatron's real ``parse_args`` (MindSpeed adaptor, MindSpeed-MM's extra arguments,
+    started through ``mindspeed_flow.launch`` with ``variants["example"]``) makes of each
+    argument list of ``variants``: ``{"ok": ...}`` or ``{"error": ...}`` per name (:data:`PROBE`)."""
+    (tmp_path / "variants.json").write_text(json.dumps(variants))
+    (tmp_path / "probe.py").write_text(PROBE)
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", "probe.py", *variants["example"],
+                           str(tmp_path / "variants.json")], cwd=tmp_path,
+                          env=upstream_env(sources, tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def parser_words(script: Path) -> list[str]:
     """The script's training arguments; shell arithmetic (``$((...))``, not evaluated by the
     reader) becomes 1, a valid value for the integer flags that use it."""
@@ -75,14 +88,7 @@ def test_static_check_and_real_parser_agree(runs, tmp_path):
                                           "    --use-flowtrain \\\n    --use-flowtrian\n")
     scripts["store_true_valued"] = with_script_edit(tmp_path, "valued", "    --bf16 \\\n", "    --bf16 true \\\n")
     scripts["value_missing"] = with_script_edit(tmp_path, "missing", "    --seed 42 \\\n", "    --seed \\\n")
-    variants = {name: parser_words(path) for name, path in scripts.items()}
-    (tmp_path / "variants.json").write_text(json.dumps(variants))
-    (tmp_path / "probe.py").write_text(PROBE)
-    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", "probe.py", *variants["example"],
-                           str(tmp_path / "variants.json")], cwd=tmp_path,
-                          env=upstream_env(sources, tmp_path), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    real = real_parses({name: parser_words(path) for name, path in scripts.items()}, sources, tmp_path)
 
     assert real["example"] == {"ok": True, "use_flowtrain": True}
     assert "unrecognized arguments: --use-flowtrian" in real["planted"]["error"]

@@ -13,17 +13,13 @@ Only ``torch_npu`` / ``torchair`` are stood in (``standins/``).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from copy import deepcopy
 from pathlib import Path
 
 import yaml
 
-from harness import upstream_env
 from pinned_upstream import upstream_sources
-from test_launch_example_parse import PROBE
+from test_launch_example_parse import real_parses
 
 from mindspeed_flow.patching.launch_check import check_flags
 from mindspeed_flow.patching.launch_script import TrainingCommand, Word
@@ -44,13 +40,7 @@ def test_static_yaml_check_and_real_parser_agree(runs, tmp_path):
         config["gpt_args"].update(change)
         configs[name] = config
     variants = {name: [w.text for w in rebuilt_arguments(config, str(RECIPE), 1)] for name, config in configs.items()}
-    (tmp_path / "variants.json").write_text(json.dumps(variants))
-    (tmp_path / "probe.py").write_text(PROBE)
-    proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.launch", "probe.py", *variants["example"],
-                           str(tmp_path / "variants.json")], cwd=tmp_path,
-                          env=upstream_env(sources, tmp_path), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    real = real_parses(variants, sources, tmp_path)
 
     assert real["example"]["ok"], real["example"]
     assert "unrecognized arguments: --use-flowtrian" in real["misspelt_key"]["error"]
