@@ -145,8 +145,8 @@ class FlowTrainIterator(StepBatches):
     def __init__(self, loader: FlowDataLoader, split: str = "train",
                  to_model: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None) -> None:
         super().__init__(loader)
-        self.split = split
-        self.to_model = to_model  # the entry script's model takes packs in another layout (pretrain_transformers.py)  # only "train" microbatches are consumed samples; "valid"/"test" ones are evaluated
+        self.split = split  # only "train" microbatches are consumed samples; "valid"/"test" ones are evaluated
+        self.to_model = to_model  # the entry script's model takes packs in another layout (pretrain_transformers.py)
         # Under a decoupled layout an encoder rank decodes the same packs as its slice's
         # backbone: only the backbone's decoding rank counts them (once per replica).
         self.records = loader.decoding and role_region() != ENCODER_REGION
@@ -438,25 +438,27 @@ def build_iterations(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         return wrapped(*args, **kwargs)
     if any(dl is not None and not isinstance(dl, FlowDataLoader) for dl in loaders):
         raise TypeError("--flow-packing: all of train/valid/test loaders must be FlowDataLoaders or none")
-    to_model = _model_batch_for_entry()
-    return tuple(None if dl is None else _chunk_view(dl) or FlowTrainIterator(dl, split, to_model)
+    return tuple(None if dl is None else _chunk_view(dl) or FlowTrainIterator(dl, split, _model_batch_for_entry(dl))
                  for dl, split in zip(loaders, ("train", "valid", "test")))
 
 
-def _model_batch_for_entry() -> Optional[Callable[[dict[str, Any]], dict[str, Any]]]:
-    """How the entry script's model takes a pack: ``pretrain_transformers.py``'s ``TransformersModel``
-    in upstream's ``seqlens`` / ``indices`` layout
-    (:func:`~.transformers_batch.transformers_model_batch`); ``None`` (the plugin's batch
-    contract as it is) for ``pretrain_vlm.py``'s ``VLMModel``."""
+def _model_batch_for_entry(loader: FlowDataLoader) -> Optional[Callable[[dict[str, Any]], dict[str, Any]]]:
+    """How the entry script's model takes ``loader``'s packs: ``pretrain_transformers.py``'s
+    ``TransformersModel`` in upstream's ``seqlens`` / ``indices`` layout
+    (:func:`~.transformers_batch.transformers_model_batch`), an image-less pack with a fake
+    image in the loader's geometry and token ids (only a decoding rank has them); ``None``
+    (the plugin's batch contract as it is) for ``pretrain_vlm.py``'s ``VLMModel``."""
     import sys
 
     from .transformers_path import ENTRY, entry_script
 
     if entry_script(sys.argv) != ENTRY:
         return None
-    from .transformers_batch import transformers_model_batch
+    from .transformers_batch import fake_image, transformers_model_batch
 
-    return transformers_model_batch
+    if not loader.decoding:
+        return transformers_model_batch
+    return functools.partial(transformers_model_batch, fake=fake_image(loader.geometry, loader.special))
 
 
 def _chunk_view(loader: FlowDataLoader) -> Optional[ChunkView]:

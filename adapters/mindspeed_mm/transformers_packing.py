@@ -9,7 +9,10 @@ for the text decoder (upstream's defaults and the recipes' settings), where the 
 ``flash_attention_2`` with ``BNSD``) attends over the whole row with a dense or causal mask,
 so each token would see the other samples of its pack: refused, naming the key and its value.
 Upstream's own text packer (``gpt_args.use_txt_dynamic_batching``) would re-pack the plugin's
-packs: refused too.
+packs: refused too.  So are the loss types that weight each batch row
+(``model.loss_cfg.loss_type`` ``per_sample_loss``: each row by its own valid tokens;
+``square_loss``: each row by one over the square root of its valid tokens, 57069cd
+``TransformersModel.compute_loss``): under packing a row is a whole pack, not a sample.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from mindspeed_flow.config import FlagError
 
 VARLEN = {"attn_implementation": "flash_attention_2", "attn_layout": "TND"}  # upstream's defaults too
 TEXT_DECODER = ("model", "text_decoder")
+LOSS_TYPE = ("model", "loss_cfg", "loss_type")
+PER_ROW_LOSS_TYPES = ("per_sample_loss", "square_loss")  # upstream weights these per batch row
 
 
 def _node(config: dict, path: tuple[str, ...]) -> Any:
@@ -41,6 +46,11 @@ def packing_refusals(config: dict) -> list[str]:
                 f"{VARLEN['attn_implementation']!r} with attn_layout {VARLEN['attn_layout']!r} keeps each sample of "
                 f"a pack to itself through the pack's seqlens); set {', '.join(f'{k}: {v}' for k, v in VARLEN.items())} "
                 "or add --no-flow-packing")
+    loss_type = _node(config, LOSS_TYPE)
+    if loss_type in PER_ROW_LOSS_TYPES:
+        reasons.append(f"{'.'.join(LOSS_TYPE)} is {loss_type!r}: upstream weights that loss per batch row, and a "
+                       "packed row is a whole pack, not a sample; use 'default' or 'token_loss', or add "
+                       "--no-flow-packing")
     if _node(config, ("gpt_args", "use_txt_dynamic_batching")):
         reasons.append("gpt_args.use_txt_dynamic_batching is on: upstream's packer would re-pack the plugin's packs; "
                        "drop it (the plugin packs) or add --no-flow-packing")

@@ -191,6 +191,7 @@ class FlowDataLoader:
             min_pixels if min_pixels is not None else geometry.min_pixels,
             max_pixels if max_pixels is not None else geometry.max_pixels, geometry, default_system,
         )
+        self.special = tokenizer.special  # the tokens a consumer needs to add an image of its own
         self._image_token_id = tokenizer.special.image_pad
         self._pad_id = tokenizer.special.pad
         self._packer = BestFitPacker(capacity, window=window, overlong="error")

@@ -18,7 +18,10 @@ corpus ``QWEN3VL_PACKED_CORPUS`` with the processor in ``QWEN3VL_PACKED_PROCESSO
 pack, and each sample alone into a pack of its own; the plugin's batch adapter turns a pack into
 this model's batch.  ``"packed"``: the pack's batch; ``"one_by_one"``: each sample's, as
 upstream's unpacked path gives it (no ``seqlens`` / ``indices``); ``"packed_as_one"`` (the
-control): the pack's tokens without ``seqlens`` / ``indices``, one sequence to the model.
+control): the pack's tokens without ``seqlens`` / ``indices``, one sequence to the model;
+``"text_only_packed"`` / ``"text_only_one_by_one"``: the text-only records
+``QWEN3VL_PACKED_TEXT_ONLY`` (comma-separated indexes) in one pack with the fake image, and
+each alone without it.
 Each group is one backward of the summed per-token loss (``loss * loss tokens`` per batch:
 the model's default loss is the mean over the batch's loss tokens).
 Writes to ``QWEN3VL_PACKED_OUT``: the pack's batch and sample order, and per group: the summed
@@ -58,22 +61,41 @@ class SquareTensors(TorchDispatchMode):
 CAPACITY = 1024  # the test's samples fit one pack
 
 
-def loader_packs(corpus: Path, processor_dir: str, records=None) -> list[dict]:
-    """Every pack of one epoch of the plugin's loader over ``corpus``, in file order."""
+def flow_loader(corpus: Path, processor_dir: str, records=None):
+    """The plugin's loader over ``corpus`` (``records``: the records it reads, in file order)."""
     from mindspeed_flow.adapters.mindspeed_mm.data import load_processor
     from mindspeed_flow.data import FlowDataLoader
 
-    loader = FlowDataLoader(corpus, load_processor(processor_dir), capacity=CAPACITY, num_workers=0,
-                            shuffle=False, window=8, image_root=corpus.parent, records=records,
-                            template="qwen3_vl_nothink")  # the Qwen3-VL recipes' chat template
-    return list(loader)
+    return FlowDataLoader(corpus, load_processor(processor_dir), capacity=CAPACITY, num_workers=0,
+                          shuffle=False, window=8, image_root=corpus.parent, records=records,
+                          template="qwen3_vl_nothink")  # the Qwen3-VL recipes' chat template
 
 
-def model_batch(pack: dict) -> dict:
-    """The plugin's batch adapter: one pack -> the batch this path's Qwen3-VL reads."""
+def loader_packs(corpus: Path, processor_dir: str, records=None) -> list[dict]:
+    """Every pack of one epoch of the plugin's loader over ``corpus``, in file order."""
+    return list(flow_loader(corpus, processor_dir, records))
+
+
+def model_batch(pack: dict, fake=None) -> dict:
+    """The plugin's batch adapter: one pack -> the batch this path's Qwen3-VL reads (``fake``:
+    the fake image an image-less pack gets)."""
     from mindspeed_flow.adapters.mindspeed_mm.transformers_batch import transformers_model_batch
 
-    return transformers_model_batch(pack)
+    return transformers_model_batch(pack, fake)
+
+
+def text_only_batches(corpus: Path, processor_dir: str, records: list[int]) -> tuple[dict, dict]:
+    """``({"text_only_packed": [batch], "text_only_one_by_one": [...]}, {"text_only_batch": batch})``:
+    the text-only ``records`` in one pack with the job's fake image (as the plugin's job adapter
+    gives it, :func:`~mindspeed_flow.adapters.mindspeed_mm.transformers_batch.fake_image` of the
+    loader's geometry and token ids), and each alone without it (the model skips its ViT)."""
+    from mindspeed_flow.adapters.mindspeed_mm.transformers_batch import fake_image
+
+    loader = flow_loader(corpus, processor_dir, records)
+    [pack] = list(loader)
+    packed = model_batch(pack, fake_image(loader.geometry, loader.special))
+    singles = [unpacked(model_batch(loader_packs(corpus, processor_dir, records=[index])[0])) for index in records]
+    return {"text_only_packed": [packed], "text_only_one_by_one": singles}, {"text_only_batch": packed}
 
 
 UNPACKED_KEYS = ("input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw")
@@ -166,7 +188,12 @@ def run_group(entry, model, batches: list[dict], seen: dict[str, list]) -> dict:
 def main() -> None:
     import pretrain_transformers as entry  # noqa: E402  (its YAML reader and MindSpeed's adaptor run here)
 
-    batches, facts = plugin_batches(Path(os.environ["QWEN3VL_PACKED_CORPUS"]), os.environ["QWEN3VL_PACKED_PROCESSOR"])
+    corpus, processor = Path(os.environ["QWEN3VL_PACKED_CORPUS"]), os.environ["QWEN3VL_PACKED_PROCESSOR"]
+    batches, facts = plugin_batches(corpus, processor)
+    text_records = [int(index) for index in os.environ["QWEN3VL_PACKED_TEXT_ONLY"].split(",")]
+    text_batches, text_facts = text_only_batches(corpus, processor, text_records)
+    batches.update(text_batches)
+    facts.update(text_facts)
     model = build_model(entry)
     seen = observe(model)
     result = {name: run_group(entry, model, group, seen) for name, group in batches.items()}

@@ -1,8 +1,8 @@
 """A pack from the plugin's loader equals its samples one by one on MindSpeed-MM's real Qwen3-VL
 (``pretrain_transformers.py``'s model, issue 25), DeepStack included, on the varlen path.
 
-The samples: four conversations written here, three of them with images of different sizes (one
-with two images) and one text-only, decoded by the plugin's ``FlowDataLoader`` with the tiny
+The samples: five conversations written here, three of them with images of different sizes (one
+with two images) and two text-only, decoded by the plugin's ``FlowDataLoader`` with the tiny
 Qwen3-VL's own processor (16-pixel patches, its mean/std) into one pack, which the plugin's batch
 adapter turns into the batch this model reads (``seqlens`` / ``indices`` as upstream's
 ``DynamicBatchingDataLoader.collect_fn`` makes them, ``pixel_values``, ``image_grid_thw``; the
@@ -22,7 +22,10 @@ pack equal the sums over the samples one by one, within the fp32 bounds of the Q
 equality tests (``test_vlm_equivalence``); DeepStack is on (its merger trained, its features
 injected into the pack's image positions); every attention call of the pack, ViT and LLM, is the
 TND kernel with the pack's segment ends, and no op builds a ``[.., S, S]`` tensor over the pack's
-tokens or the ViT's patches (no dense mask).
+tokens or the ViT's patches (no dense mask).  A pack of the text-only samples gets the fake image
+(its own trailing segment, labels -100): the ViT runs on it, its gradients are zero, and the
+summed loss and every gradient equal the text-only samples one by one (no ViT there) within the
+same bounds.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ SAMPLES = (
     ([], "one two three is a text only question with no picture"),
     ([(128, 96), (64, 128)], "where is the bright shape in the two pictures"),
     ([(96, 64)], "the dark circle is near the left of the image"),
+    ([], "four five six is another question without any image"),
 )
+TEXT_ONLY = [index for index, (sizes, _) in enumerate(SAMPLES) if not sizes]
 
 
 def write_corpus(root: Path) -> Path:
@@ -89,7 +94,8 @@ def result(tmp_path_factory) -> dict:
     env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(_free_port()), "QWEN3VL_PACKED_CORPUS": str(corpus),
                 "QWEN3VL_PACKED_PROCESSOR": str(assets.processor),
-                "QWEN3VL_PACKED_OUT": str(workdir / "out.pt")})
+                "QWEN3VL_PACKED_OUT": str(workdir / "out.pt"),
+                "QWEN3VL_PACKED_TEXT_ONLY": ",".join(map(str, TEXT_ONLY))})
     proc = subprocess.run([sys.executable, str(DRIVER), *args], cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"driver failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -154,3 +160,25 @@ def test_the_pack_runs_on_the_varlen_kernel_without_a_dense_mask(result):
     text_calls = [c for c in calls if c["actual_seq_qlen"] == ends]
     vit_calls = [c for c in calls if c["actual_seq_qlen"] == vit_ends]
     assert len(text_calls) == 2 and len(vit_calls) == 2 and len(calls) == 4  # 2 LLM layers, 2 ViT blocks
+
+
+def test_a_text_only_pack_runs_the_vit_on_its_fake_image_and_equals_its_samples_one_by_one(result):
+    batch, packed, one_by_one = result["text_only_batch"], result["text_only_packed"], result["text_only_one_by_one"]
+    assert len(TEXT_ONLY) == 2 and len(batch["seqlens"]) == len(TEXT_ONLY) + 1  # the samples, then the fake image
+    fake_tokens = int(batch["seqlens"][-1])
+    assert (batch["labels"][0, -fake_tokens:] == -100).all() and (batch["attention_mask"][0, -fake_tokens:] == 0).all()
+    grid = batch["image_grid_thw"]
+    assert grid.shape == (1, 3) and int((batch["input_ids"] == IMAGE_PAD_ID).sum()) == fake_tokens - 2
+    vit_ends = (grid[:, 1] * grid[:, 2]).cumsum(0).tolist()
+    assert len([c for c in packed["kernel"] if c["actual_seq_qlen"] == vit_ends]) == 2  # the ViT ran: 2 blocks
+    assert not any(c["actual_seq_qlen"] == vit_ends for c in one_by_one["kernel"])  # alone, the samples skip it
+    assert packed["loss_tokens"] == one_by_one["loss_tokens"] > 0
+    assert packed["loss_sum"] == pytest.approx(one_by_one["loss_sum"], rel=FP32_LOSS_RTOL)
+    vit = [name for name in packed["grads"] if ".visual." in name]
+    assert vit and all(float(packed["grads"][name].abs().max()) == 0.0 for name in vit)
+    errors = gradient_errors(one_by_one["grads"], packed["grads"])
+    worst = max(errors, key=errors.get)
+    print(f"Qwen3-VL text-only pack of {len(TEXT_ONLY)} with a fake image of {fake_tokens - 2} tokens vs one by one: "
+          f"loss sum relative {abs(packed['loss_sum'] / one_by_one['loss_sum'] - 1):.1e}; worst gradient error "
+          f"{errors[worst]:.1e} ({worst}) over {len(errors)} parameters")
+    assert errors[worst] <= FP32_GRAD_RTOL, f"{worst}: relative gradient error {errors[worst]:.2e}"

@@ -1,6 +1,7 @@
 """Packing on ``pretrain_transformers.py`` is refused at start-up when the YAML's text decoder
 does not run the varlen attention (packed samples would attend to each other), or when
-upstream's own text packer is on; the recipe's settings (and upstream's defaults) pass.  The
+upstream's own text packer is on, or when the loss is weighted per batch row (a packed row is a
+whole pack); the recipe's settings (and upstream's defaults) pass.  The
 real job is ``tests/upstream/test_real_job_qwen3vl.py``."""
 
 from __future__ import annotations
@@ -44,3 +45,17 @@ def test_upstreams_own_packer_with_packing_is_refused(tmp_path):
     config = {**RECIPE, "gpt_args": {"use_txt_dynamic_batching": True}}
     with pytest.raises(FlagError, match="gpt_args.use_txt_dynamic_batching"):
         fitted(tmp_path, config, ["--use-flowtrain"])
+
+
+@pytest.mark.parametrize("loss_type", ["per_sample_loss", "square_loss"])
+def test_a_per_row_loss_type_with_packing_is_refused_naming_key_and_value(tmp_path, loss_type):
+    config = {**RECIPE, "model": {**RECIPE["model"], "loss_cfg": {"compute_mode": "default", "loss_type": loss_type}}}
+    with pytest.raises(FlagError) as error:
+        fitted(tmp_path, config, ["--use-flowtrain"])
+    assert f"model.loss_cfg.loss_type is {loss_type!r}" in str(error.value)
+    assert not fitted(tmp_path, config, ["--use-flowtrain", "--no-flow-packing"]).enabled("packing")
+
+
+@pytest.mark.parametrize("loss_type", ["default", "token_loss"])
+def test_a_per_token_loss_type_with_packing_passes(loss_type):
+    assert packing_refusals({**RECIPE, "model": {**RECIPE["model"], "loss_cfg": {"loss_type": loss_type}}}) == []
