@@ -310,9 +310,7 @@ def _best_problems(cfg: TrainConfig) -> list[str]:
     >= 1, and a second baseline that is not the baseline itself."""
     lay, problems = cfg.layout, []
     best = lay.best_baseline_pp
-    if best is not None and (best < 1 or lay.world_size % best):
-        problems.append(f"layout.best_baseline_pp: {best} must be >= 1 and divide layout.world_size {lay.world_size}")
-    for key in ("best_thd_pp", "best_three_phase_pp"):
+    for key in ("best_baseline_pp", "best_thd_pp", "best_three_phase_pp"):
         pp = getattr(lay, key)
         if pp is not None and pp not in cfg.pipeline_sizes():
             problems.append(f"layout.{key}: {pp} is not a pipeline size a co-located run can take here (one that "

@@ -160,9 +160,12 @@ def slice_losses(store: list, rank: int, last: int, group: Any, encoder: bool) -
 def close() -> None:
     """Close this rank's pool view (the job's end); rank 0 and the pool's participants
     remove what the pools left when they exit (:func:`~mindspeed_flow.pool.job.remove_at_exit`)."""
+    from mindspeed_flow.adapters.megatron import decoupled_flow
+
     if STATE.pool is not None and hasattr(STATE.pool, "close"):
         STATE.pool.close()
     STATE.pool = STATE.executor = None
+    decoupled_flow.FLOW = decoupled_flow.FlowState()  # its executor is bound to this job's pipeline group
 
 
 def _flow_step(layout: Any, rank: int, role: Any, forward_step_func: Callable, iterator: Any, model: Any,

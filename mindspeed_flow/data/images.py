@@ -187,8 +187,3 @@ def patchify(image: np.ndarray, geometry: ImageGeometry = QWEN2_VL) -> tuple[np.
     # -> [t, h/m, w/m, m_h, m_w, C, T, P, P]: merge groups consecutive, each row C*T*P*P
     rows = grid.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gh * gw, channels * tp * p * p)
     return np.ascontiguousarray(rows), (1, gh, gw)
-
-
-def image_tokens(grid_thw: tuple[int, int, int], merge: int = MERGE) -> int:
-    t, h, w = grid_thw
-    return t * h * w // (merge * merge)

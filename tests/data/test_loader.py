@@ -8,7 +8,7 @@ import torch
 
 from mindspeed_flow.data import FlowDataLoader
 from mindspeed_flow.data.demo import make_demo_corpus
-from mindspeed_flow.data.images import MEAN, PATCH, STD, image_tokens, normalize, patchify, resized_size
+from mindspeed_flow.data.images import MEAN, PATCH, QWEN2_VL, STD, normalize, patchify, resized_size
 from mindspeed_flow.data.mrope import mrope_position_ids
 from mindspeed_flow.data.source import Corpus
 from mindspeed_flow.data.tokenizer import load_tokenizer
@@ -56,7 +56,7 @@ def test_batch_contract(epoch, corpus):
         grid = b["image_grid_thw"]
         assert grid.shape[1] == 3 and int(grid.prod(dim=1).sum()) == b["pixel_values"].shape[0]
         # every image placeholder expanded to (h*w)/4 tokens, images in sample order
-        assert int((b["input_ids"] == image_id).sum()) == sum(image_tokens(tuple(g)) for g in grid.tolist())
+        assert int((b["input_ids"] == image_id).sum()) == sum(QWEN2_VL.tokens(tuple(g)) for g in grid.tolist())
         assert bool((b["labels"][0, cu[:-1].long()] == -100).all())
         image = 0
         for s, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
