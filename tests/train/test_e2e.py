@@ -275,7 +275,11 @@ def test_ctrl_c_stops_every_rank_and_leaves_no_pool_behind(tmp_path):
 
     import psutil
 
-    proc = subprocess.Popen(_command() + ["train", str(CONFIG), "--report", str(tmp_path / "report")], cwd=tmp_path,
+    # flowtrain alone, for many steps: the interrupt lands while it trains, not as the job ends
+    # (a pool seen only in a short last phase let the job finish first under load: exit 0)
+    command = ["train", str(CONFIG), "--only", "flowtrain", "--no-resume-check", "--steps", "60",
+               "--report", str(tmp_path / "report")]
+    proc = subprocess.Popen(_command() + command, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         os.set_blocking(proc.stdout.fileno(), False)

@@ -66,8 +66,9 @@ def test_flow_step_with_a_trainable_vit_equals_upstream(runs, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def plain4(tmp_path_factory):
-    """Upstream's co-located single-process step on 4 samples (the reference of the 4-rank layouts)."""
+def plain4(runs, tmp_path_factory):
+    """Upstream's co-located single-process step on 4 samples (the reference of the 4-rank layouts);
+    ``runs``: the upstream environment's gate (skips in the main suite's environment)."""
     from harness import run_upstream
 
     job = Job(samples=sample_specs(4), precision="fp32", flash_attn=True)
