@@ -35,12 +35,12 @@ import numpy as np
 import torch
 
 from mindspeed_flow.data.batch import holds_split_chunk, segment_lengths
+from mindspeed_flow.data.conversation import IGNORE
 from mindspeed_flow.data.images import ImageGeometry, normalize, patchify, resized_size
 from mindspeed_flow.data.mrope import mrope_position_ids
 from mindspeed_flow.data.tokenizer import SpecialIds
 
 FAKE_IMAGE_SIDE = 64  # upstream's collator: a white 64x64 RGB image
-IGNORE_INDEX = -100
 
 MODEL_KEYS = ("input_ids", "labels", "attention_mask", "pixel_values", "image_grid_thw")
 
@@ -78,7 +78,7 @@ def _with_fake_image(batch: dict[str, Any], fake: FakeImage) -> dict[str, Any]:
     n = int(fake.input_ids.numel())
     ids = batch["input_ids"]
     batch["input_ids"] = torch.cat([ids, fake.input_ids.to(ids.dtype)[None]], dim=1)
-    batch["labels"] = torch.cat([batch["labels"], batch["labels"].new_full((1, n), IGNORE_INDEX)], dim=1)
+    batch["labels"] = torch.cat([batch["labels"], batch["labels"].new_full((1, n), IGNORE)], dim=1)
     batch["attention_mask"] = torch.cat([batch["attention_mask"], batch["attention_mask"].new_zeros((1, n))], dim=1)
     batch["seqlens"] = torch.cat([batch["seqlens"], torch.tensor([n], dtype=torch.int64)])
     batch["pixel_values"], batch["image_grid_thw"] = fake.pixel_values, fake.image_grid_thw
