@@ -139,11 +139,7 @@ def group_step(
     """
     samples = tuple(samples)
     step = _check_samples(samples, capacity)
-    for name, value in (("encoder_replicas", encoder_replicas), ("dp", dp), ("pp", pp)):
-        if value < 1:
-            raise GroupingError(f"group_step: {name} must be >= 1, got {value}")
-    if not encoder_budget > 0:
-        raise GroupingError(f"group_step: encoder_budget must be > 0, got {encoder_budget}")
+    _check_sizes("group_step", encoder_budget, encoder_replicas=encoder_replicas, dp=dp, pp=pp)
     if microbatches is not None and (microbatches < 1 or microbatches % dp):
         raise GroupingError(f"group_step: microbatches={microbatches} is not a positive multiple of dp={dp}")
     lengths = [s.llm_tokens for s in samples]
@@ -158,6 +154,15 @@ def group_step(
         encoder_cost, encoder_budget, encoder_replicas)
     return FlowGrouping(step, samples, llm_groups, tuple(d for _, d in needed), batches, batch_replica,
                         dp, pp, encoder_replicas)
+
+
+def _check_sizes(caller: str, encoder_budget: float, **sizes: int) -> None:
+    """Refuses (naming ``caller``) a size below 1 or an encoder budget that is not positive."""
+    for name, value in sizes.items():
+        if value < 1:
+            raise GroupingError(f"{caller}: {name} must be >= 1, got {value}")
+    if not encoder_budget > 0:
+        raise GroupingError(f"{caller}: encoder_budget must be > 0, got {encoder_budget}")
 
 
 def _check_samples(samples: Sequence[SampleMeta], capacity: int) -> int:

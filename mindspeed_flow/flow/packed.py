@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .encoder_cost import EncoderCost
-from .errors import GroupingError
-from .grouping import FlowGrouping, _check_samples, _encoder_batches
+from .grouping import FlowGrouping, _check_samples, _check_sizes, _encoder_batches
 from .meta import SampleMeta
 
 
@@ -36,10 +35,7 @@ def group_packed(
     samples = tuple(samples)
     capacity = max((s.llm_tokens for s in samples), default=1)
     step = _check_samples(samples, capacity)
-    if encoder_replicas < 1 or pp < 1:
-        raise GroupingError(f"group_packed: encoder_replicas and pp must be >= 1, got {encoder_replicas}, {pp}")
-    if not encoder_budget > 0:
-        raise GroupingError(f"group_packed: encoder_budget must be > 0, got {encoder_budget}")
+    _check_sizes("group_packed", encoder_budget, encoder_replicas=encoder_replicas, pp=pp)
     groups = tuple(tuple(int(s) for s in mb) for mb in microbatches)
     by_id = {s.sample_id: s for s in samples}
     needed = [by_id[s] for mb in groups for s in mb if s in by_id and by_id[s].patches]
