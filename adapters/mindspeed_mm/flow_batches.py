@@ -17,16 +17,45 @@ first stage's packs), so both cut them into the same samples here:
 ``forward_step`` takes (``input_ids`` of the samples end to end, their ``pixel_values`` and
 ``image_grid_thw``): the encoder rank's ``VLMModel`` runs its ViT + projector on it and
 returns the image embeddings, the samples' rows end to end.
+
+:meth:`StepBatches.repack` (the layout's ``flow_repack``) makes the backbone's microbatches of
+the flow's grouping instead of the loader's packs: each sample is cut out of its pack as the
+loader's own :class:`~mindspeed_flow.data.decode.Sample` (its tokens, labels, M-RoPE ids,
+pixel rows and image grids) and the new groups are joined by the loader's own join
+(:func:`~mindspeed_flow.data.batch.join_pack`), so a regrouped pack is exactly the pack the
+loader makes of those samples (its pixels were normalised when the loader joined them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from mindspeed_flow.data.batch import TENSOR_KEYS, join_pack
+from mindspeed_flow.data.decode import Sample
 from mindspeed_flow.flow import SampleMeta
 from mindspeed_flow.flow.errors import SampleError
+
+# What a packed batch of the loader's contract holds (mindspeed_flow.data.batch); a regrouped pack
+# is joined from these only, so a batch with another key is not regrouped (nothing says how to cut it).
+PACK_KEYS = (*TENSOR_KEYS, "sample_ids")
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a sample lies in the step's microbatches: batch ``batch``, its ``segment``-th
+    sample, row ``row``, tokens ``start..end``; its images ``images`` of the batch's grids,
+    its pixel rows ``pixels``."""
+
+    batch: int
+    segment: int
+    row: int
+    start: int
+    end: int
+    images: slice
+    pixels: slice
 
 
 class StepBatches:
@@ -34,27 +63,85 @@ class StepBatches:
 
     Attributes:
         step: the flow's step number (every rank of the slice counts the same).
-        batches: the microbatches, as the loader handed them.
+        batches: the backbone's microbatches: the loader's, or after :meth:`repack` the regrouped ones.
+        loader_batches: the microbatches as the loader handed them.
         metas: every sample of the step (sample id: its index in the step).
-        microbatches: each microbatch's sample ids, in order.
+        microbatches: each of :attr:`batches`' sample ids, in order.
+        loader_microbatches: each of :attr:`loader_batches`' sample ids, in order.
+        pad_id: the token the loader pads a pack with, as found in a padded pack of the step
+            (``None``: no pack of the step is padded).
     """
 
     def __init__(self, step: int, batches: Sequence[dict], image_token_id: int) -> None:
         self.step = step
-        self.batches = list(batches)
+        self.loader_batches = list(batches)
         self.metas: list[SampleMeta] = []
-        self.microbatches: list[tuple[int, ...]] = []
-        self._parts: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
-        for m, batch in enumerate(self.batches):
-            self.microbatches.append(tuple(self._cut(m, batch, image_token_id)))
+        self.pad_id: int | None = None
+        self._places: dict[int, _Place] = {}
+        self.loader_microbatches = [tuple(self._cut(m, batch, image_token_id))
+                                    for m, batch in enumerate(self.loader_batches)]
+        self.batches, self.microbatches = self.loader_batches, self.loader_microbatches
 
     def encoder_input(self, metas: Sequence[SampleMeta]) -> dict[str, Any]:
         """The encoder's input for these samples (see the module)."""
-        ids, pixels, grids = zip(*(self._parts[m.sample_id] for m in metas))
-        with_images = [i for i, p in enumerate(pixels) if p is not None]
-        return {"input_ids": torch.cat(ids).unsqueeze(0),
-                "pixel_values": torch.cat([pixels[i] for i in with_images]),
-                "image_grid_thw": torch.cat([grids[i] for i in with_images])}
+        places = [self._places[m.sample_id] for m in metas]
+        batches = [self.loader_batches[p.batch] for p in places]
+        with_images = [(b, p) for b, p in zip(batches, places) if p.images.stop > p.images.start]
+        return {"input_ids": torch.cat([b["input_ids"][p.row, p.start:p.end] for b, p in zip(batches, places)]
+                                       ).unsqueeze(0),
+                "pixel_values": torch.cat([b["pixel_values"][p.pixels] for b, p in with_images]),
+                "image_grid_thw": torch.cat([_grid(b)[p.images] for b, p in with_images])}
+
+    def sample(self, sample_id: int) -> Sample:
+        """Sample ``sample_id`` cut out of its packed microbatch, as the loader decoded it
+        (pixels already normalised); refused, naming the microbatch, when its batch is not
+        one of the packing loader's contract (:data:`PACK_KEYS`, ``cu_seqlens`` and
+        ``[3, 1, T]`` M-RoPE ``position_ids``)."""
+        place = self._places[sample_id]
+        batch = self.loader_batches[place.batch]
+        where = f"flow step {self.step} microbatch {place.batch}"
+        other = sorted(set(batch) - set(PACK_KEYS))
+        if other:
+            raise SampleError(f"{where}: cannot regroup a batch with {other} (a pack of the packing loader holds "
+                              f"{list(PACK_KEYS)} only)")
+        missing = [k for k in ("cu_seqlens", "labels", "position_ids") if batch.get(k) is None]
+        positions = batch.get("position_ids")
+        if missing or positions.dim() != 3 or positions.shape[0] != 3 or positions.shape[1] != 1:
+            raise SampleError(f"{where}: cannot regroup a batch that is not a pack of the packing loader "
+                              f"(missing {missing}, position_ids "
+                              f"{None if positions is None else tuple(positions.shape)}; expected cu_seqlens, "
+                              "labels and [3, 1, T] M-RoPE ids)")
+        names = batch.get("sample_ids")
+        tokens = slice(place.start, place.end)
+        pixels = batch.get("pixel_values")
+        return Sample(index=sample_id, sample_id=names[place.segment] if names is not None else "",
+                      input_ids=batch["input_ids"][0, tokens], labels=batch["labels"][0, tokens],
+                      position_ids=positions[:, 0, tokens],
+                      pixel_values=pixels[place.pixels] if pixels is not None else None,
+                      image_grid_thw=_grid(batch)[place.images])
+
+    def repack(self, microbatches: Sequence[Sequence[int]], multiple: int = 1) -> None:
+        """Make :attr:`batches` the packs of ``microbatches`` (sample ids, in order), each joined
+        from its samples (:meth:`sample`) by the loader's join, padded to a multiple of
+        ``multiple`` tokens as the loader pads its packs; a pack holds the keys the step's
+        batches hold (``sample_ids`` only when they have them)."""
+        groups = [tuple(int(s) for s in group) for group in microbatches]
+        keys = set().union(*(batch.keys() for batch in self.loader_batches))
+        self.batches = [self._join(m, group, multiple, keys) for m, group in enumerate(groups)]
+        self.microbatches = groups
+
+    def _join(self, m: int, group: tuple[int, ...], multiple: int, keys: set) -> dict[str, Any]:
+        if not group:
+            raise SampleError(f"flow step {self.step}: regrouped microbatch {m} has no sample")
+        samples = [self.sample(s) for s in group]
+        length = sum(len(s) for s in samples)
+        if length % multiple and self.pad_id is None:
+            raise SampleError(f"flow step {self.step}: regrouped microbatch {m} ({length} tokens) needs padding to a "
+                              f"multiple of {multiple} tokens, and no pack of the step shows the loader's pad token")
+        parts = [s.pixel_values for s in samples if s.pixel_values is not None]
+        pack = join_pack(samples, torch.cat(parts) if parts else None, multiple,
+                         self.pad_id if self.pad_id is not None else 0)
+        return {k: v for k, v in pack.items() if k in keys}
 
     def _cut(self, m: int, batch: dict, image_token_id: int) -> list[int]:
         """Batch ``m``'s samples added to the step; their ids."""
@@ -64,12 +151,14 @@ class StepBatches:
         input_ids = batch["input_ids"]
         segments = _segments(batch, m)
         tokens = [int((input_ids[row, start:end] == image_token_id).sum()) for row, start, end in segments]
-        grid = batch.get("image_grid_thw")
-        patches = [] if grid is None or batch.get("pixel_values") is None else \
-            [int(p) for p in torch.as_tensor(grid).reshape(-1, 3).prod(dim=1)]
+        if batch.get("cu_seqlens") is not None and len(segments) < len(batch["cu_seqlens"]) - 1 \
+                and self.pad_id is None:  # a padded pack: its last segment is the loader's pad tokens
+            self.pad_id = int(input_ids[0, segments[-1][2] if segments else 0])
+        patches = [] if batch.get("image_grid_thw") is None or batch.get("pixel_values") is None else \
+            [int(p) for p in _grid(batch).prod(dim=1)]
         unit = _patches_per_token(patches, sum(tokens), self.step, m)
         image, row_start, ids = 0, 0, []
-        for (row, start, end), count in zip(segments, tokens):
+        for segment, ((row, start, end), count) in enumerate(zip(segments, tokens)):
             first, need = image, count
             while need > 0 and image < len(patches):
                 need -= patches[image] // unit
@@ -81,16 +170,22 @@ class StepBatches:
             rows = sum(patches[first:image])
             sample_id = len(self.metas)
             self.metas.append(SampleMeta(sample_id, self.step, end - start, count, tuple(patches[first:image])))
-            self._parts[sample_id] = (
-                input_ids[row, start:end],
-                batch["pixel_values"][row_start:row_start + rows] if image > first else None,
-                torch.as_tensor(grid).reshape(-1, 3)[first:image] if image > first else None)
+            self._places[sample_id] = _Place(m, segment, row, start, end, slice(first, image),
+                                             slice(row_start, row_start + rows))
             row_start += rows
             ids.append(sample_id)
         if image != len(patches):
             raise SampleError(f"flow step {self.step} microbatch {m}: {len(patches) - image} of its images belong to "
                               "no sample (more images than image tokens)")
         return ids
+
+
+def _grid(batch: dict) -> torch.Tensor:
+    """The batch's image grids as ``[N, 3]`` (``[0, 3]`` without any)."""
+    grid = batch.get("image_grid_thw")
+    if grid is None:
+        return torch.zeros(0, 3, dtype=torch.int64)
+    return torch.as_tensor(grid).reshape(-1, 3)
 
 
 def _segments(batch: dict, m: int) -> list[tuple[int, int, int]]:

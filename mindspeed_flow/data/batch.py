@@ -61,23 +61,37 @@ def collate_pack(samples: Sequence[Sample], multiple: int = 1, pad_id: int = 0,
     mean/std (the processor's)."""
     if not samples:
         raise ValueError("a pack needs at least one sample")
+    return join_pack(samples, normalize_joined([s.pixel_values for s in samples], geometry), multiple, pad_id)
+
+
+def join_pack(samples: Sequence[Sample], pixel_values: torch.Tensor, multiple: int = 1,
+              pad_id: int = 0) -> dict[str, Any]:
+    """:func:`collate_pack` with the pack's pixel rows given (``pixel_values``: the samples'
+    rows in order, already normalised): what the loader joins, and what the decoupled
+    layout's flow joins again when it regroups samples cut out of the loader's packs
+    (:mod:`mindspeed_flow.adapters.mindspeed_mm.flow_batches`).  New tensors are made on
+    the samples' device."""
+    if not samples:
+        raise ValueError("a pack needs at least one sample")
+    device = samples[0].input_ids.device
     lengths = [len(s) for s in samples]
     real = sum(lengths)
     pad = padded_length(real, multiple) - real
-    labels = torch.cat([s.labels for s in samples] + [torch.full((pad,), IGNORE, dtype=torch.int64)])
+    labels = torch.cat([s.labels for s in samples] + [torch.full((pad,), IGNORE, dtype=torch.int64, device=device)])
     starts = torch.tensor([0] + lengths + ([pad] if pad else [])).cumsum(0)
-    labels[starts[:-1]] = IGNORE
-    input_ids = torch.cat([s.input_ids for s in samples] + [torch.full((pad,), pad_id, dtype=torch.int64)])
-    attention_mask = torch.ones(1, real + pad, dtype=torch.int64)
+    labels[starts[:-1].to(device)] = IGNORE
+    input_ids = torch.cat([s.input_ids for s in samples]
+                          + [torch.full((pad,), pad_id, dtype=torch.int64, device=device)])
+    attention_mask = torch.ones(1, real + pad, dtype=torch.int64, device=device)
     attention_mask[0, real:] = 0
-    positions = [s.position_ids for s in samples] + ([torch.arange(pad).expand(3, pad)] if pad else [])
+    positions = [s.position_ids for s in samples] + ([torch.arange(pad, device=device).expand(3, pad)] if pad else [])
     return {
         "input_ids": input_ids.unsqueeze(0),
         "labels": labels.unsqueeze(0),
         "attention_mask": attention_mask,
-        "cu_seqlens": starts.to(torch.int32),
+        "cu_seqlens": starts.to(device=device, dtype=torch.int32),
         "position_ids": packed_position_ids(positions),
-        "pixel_values": normalize_joined([s.pixel_values for s in samples], geometry),
+        "pixel_values": pixel_values,
         "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).reshape(-1, 3),
         "sample_ids": [s.sample_id for s in samples],
     }
