@@ -1,5 +1,7 @@
-"""scripts/bench_realjob_layouts.py's ``hetero-parallel`` row without running a real job (a
-dry check, so the row cannot rot between the runs made by hand, docs/decoupled.md): the row
+"""scripts/bench_realjob_layouts.py's ``hetero-parallel`` and ``flow`` rows without running a
+real job (a dry check, so the rows cannot rot between the runs made by hand, docs/decoupled.md,
+docs/flow.md).  The flow row runs the decoupled row's ranks with ``flow_layout.yaml`` and is
+compared with the decoupled (lockstep) row; the hetero-parallel row
 runs ``tests/upstream/test_real_job_hetero.HETERO`` as is, with only the bench's iterations,
 environment and timeout changed; it has no simulator prediction, its note says what the
 pinned code forces, and its step-time ratios are given only where its logged global batch is
@@ -59,3 +61,30 @@ def test_step_ratios_only_against_the_same_logged_global_batch(bench):
     rescaled = dict(hetero, global_batch=8)  # a global batch unlike upstream's: samples/s compares, steps do not
     cells = _cells(bench.table_line("real", "hetero-parallel", rescaled, upstream, colocated))
     assert cells[3:5] == ["nanx", "nanx"] and cells[6] == "0.50x"
+
+
+def test_the_flow_row_runs_the_decoupled_rows_ranks_with_the_flow_layout(bench):
+    import yaml
+
+    env = (("REALJOB_MODULE_TIMES", "1"),)
+    flow, decoupled = bench.row_job("flow", 5, env, 123), bench.row_job("decoupled", 5, env, 123)
+    assert (flow.pp, flow.world_size, flow.iters, flow.env, flow.timeout_s) == (
+        decoupled.pp, decoupled.world_size, 5, env, 123)
+    assert flow.plugin[:-1] == decoupled.plugin[:-1] and flow.plugin[-2] == "--flow-schedule-config"
+    layout = yaml.safe_load(Path(flow.plugin[-1]).read_text())["decoupled"]
+    assert layout["flow"] is True and not yaml.safe_load(Path(decoupled.plugin[-1]).read_text())["decoupled"].get("flow")
+    assert {k: v for k, v in layout.items() if k.startswith(("encoder", "backbone"))} == {
+        k: v for k, v in yaml.safe_load(Path(decoupled.plugin[-1]).read_text())["decoupled"].items()
+        if k.startswith(("encoder", "backbone"))}  # the same ranks as the decoupled row
+
+
+def test_the_flow_row_has_no_simulator_prediction_and_says_so(bench):
+    assert "flow" in bench.LAYOUTS and "flow" not in bench.SIMULATED
+    assert "no simulator prediction" in bench.NOTES["flow"]
+    decoupled = {"step_s": 2.0, "samples_per_s": 2.0, "global_batch": 4}
+    flow = {"step_s": 1.6, "samples_per_s": 2.5, "global_batch": 4}
+    cells = _cells(bench.table_line("emulated", "flow", flow, decoupled, None))
+    assert cells[:4] == ["emulated", "flow", "1.600", "1.25x"] and math.isnan(float(cells[-1]))
+    assert bench.flow_vs_decoupled({"flow": flow, "decoupled": decoupled}) == pytest.approx(1.25)
+    assert bench.flow_vs_decoupled({"flow": flow}) is None
+    assert bench.flow_vs_decoupled({"flow": dict(flow, global_batch=8), "decoupled": decoupled}) is None
