@@ -19,7 +19,9 @@ the encoder's batches by the encoder's, so neither side inherits the other's gro
   first microbatch of every replica, then the second, ...), cut whenever the next sample would
   take the batch's encoder cost (:class:`.EncoderCost`) over ``encoder_budget``, each batch to
   the encoder replica that is free first (least cost so far), so the samples the backbone
-  needs first are encoded first and the replicas finish together.
+  needs first are encoded first, or, when that leaves the busiest replica more to do, the
+  dearest batches dealt first (a late heavy-tailed image would otherwise land on a replica
+  as loaded as the others): each replica runs its batches in need order either way.
 
 The result, :class:`FlowGrouping`, is frozen data; :meth:`FlowGrouping.check` refuses a
 grouping that lost or repeated a sample, naming it.
@@ -237,18 +239,46 @@ def _fill(samples: Sequence[SampleMeta], count: int, capacity: int, llm_cost: Co
 def _encoder_batches(
     needed: Sequence[SampleMeta], encoder_cost: EncoderCost, budget: float, replicas: int
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """Cut the samples (in need order) into batches within ``budget``; each batch to the
-    replica with the least cost so far (lowest index on ties)."""
+    """Cut the samples (in need order) into batches within ``budget`` and deal them over the
+    replicas (:func:`_deal`)."""
     batches: list[list[SampleMeta]] = []
     for meta in needed:
         if batches and encoder_cost.cost([*batches[-1], meta]) <= budget:
             batches[-1].append(meta)
         else:
             batches.append([meta])
+    owners = _deal([encoder_cost.cost(batch) for batch in batches], replicas)
+    return tuple(tuple(s.sample_id for s in b) for b in batches), owners
+
+
+def _deal(costs: Sequence[float], replicas: int) -> tuple[int, ...]:
+    """The replica of each batch: in need order, each to the replica with the least cost so
+    far (lowest index on ties), unless dealing the dearest batches first (each to the least
+    loaded replica) leaves the busiest replica less to do.
+
+    A step has few batches and a heavy-tailed image can make one of them several times the
+    others; dealt in need order, such a batch that comes late lands on a replica already
+    as loaded as the rest, and that replica's forwards (and, trainable, its backwards: twice
+    as long) bound the step.  Dealt dearest first, the busiest replica exceeds the least
+    loaded one by at most its own cheapest batch.  Each replica still runs its batches in
+    need order."""
+    def busiest(owners: Sequence[int]) -> float:
+        loads = [0.0] * replicas
+        for owner, cost in zip(owners, costs):
+            loads[owner] += cost
+        return max(loads)
+
+    return min((_least_loaded(costs, range(len(costs)), replicas),
+                _least_loaded(costs, sorted(range(len(costs)), key=lambda b: (-costs[b], b)), replicas)),
+               key=busiest)
+
+
+def _least_loaded(costs: Sequence[float], order: Iterable[int], replicas: int) -> tuple[int, ...]:
+    """The replica of each batch when the batches, taken in ``order``, each go to the
+    replica with the least cost so far (lowest index on ties)."""
     loads = [0.0] * replicas
-    owners = []
-    for batch in batches:
-        owner = min(range(replicas), key=lambda r: (loads[r], r))
-        owners.append(owner)
-        loads[owner] += encoder_cost.cost(batch)
-    return tuple(tuple(s.sample_id for s in b) for b in batches), tuple(owners)
+    owners = [0] * len(costs)
+    for b in order:
+        owners[b] = min(range(replicas), key=lambda r: (loads[r], r))
+        loads[owners[b]] += costs[b]
+    return tuple(owners)

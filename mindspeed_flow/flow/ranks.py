@@ -2,8 +2,8 @@
 
 Ranks ``0 .. E-1`` are the encoder replicas (producers); rank ``E + d*PP + s`` is stage ``s``
 of backbone replica ``d`` (stage 0 is the consumer).  The encoder replicas serve every
-backbone replica: the grouping sends each encoder batch to the replica that is free first,
-whichever backbone replica its samples go to.
+backbone replica: the grouping deals the encoder batches over the replicas by their cost
+(:func:`~.grouping.group_step`), whichever backbone replica their samples go to.
 """
 
 from __future__ import annotations

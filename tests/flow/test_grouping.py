@@ -75,6 +75,33 @@ def test_encoder_follows_the_backbones_need_order_within_its_budget():
     assert [g.microbatch_replica[m] for m in range(4)] == [0, 1, 0, 1]
 
 
+def test_a_late_heavy_image_is_dealt_first_when_that_unloads_the_busiest_encoder_replica():
+    # one microbatch: the need order is the fill's (most LLM tokens first), so the image of
+    # 192 patches comes last; in need order it would go to the replica free first, already
+    # holding 64 patches (256 vs 128); dealt first it is alone on its replica (192 vs 192)
+    encoder = EncoderCost(linear=1e-3)
+    samples = [SampleMeta(i, 0, tokens, patches // 4, (patches,))
+               for i, (tokens, patches) in enumerate([(400, 64), (300, 64), (200, 64), (100, 192)])]
+    g = group_step(samples, capacity=2048, llm_cost=LLM, encoder_cost=encoder, encoder_budget=1e-6,
+                   encoder_replicas=2, microbatches=1)
+    assert g.batches == ((0,), (1,), (2,), (3,))  # one sample per batch, in need order
+    loads = sorted(sum(encoder.cost(g.metas(g.batches[b])) for b in g.replica_batches(r)) for r in range(2))
+    assert loads == pytest.approx([0.192, 0.192])
+    assert g.replica_batches(g.batch_replica[3]) == [3]
+
+
+def test_encoder_replicas_are_never_busier_than_dealt_in_need_order():
+    for seed in range(20):
+        g = grouped(step_samples(seed=seed), dp=2, pp=2, microbatches=8, encoder_replicas=3)
+        costs = [ENCODER.cost(g.metas(b)) for b in g.batches]
+        loads = [sum(costs[b] for b in g.replica_batches(r)) for r in range(3)]
+        free_first = [0.0] * 3  # each batch, in need order, to the replica with the least so far
+        for c in costs:
+            free_first[free_first.index(min(free_first))] += c
+        assert max(loads) <= max(free_first) + 1e-12
+        assert max(loads) - min(loads) <= max(costs) + 1e-12
+
+
 def test_check_refuses_a_lost_sample_naming_it():
     samples = step_samples()
     g = grouped(samples)

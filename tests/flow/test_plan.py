@@ -149,6 +149,6 @@ def test_simulation_charges_each_group_its_samples_costs(tmp_path):
 def test_the_executor_refuses_a_flow_plan():
     plan = compose_flow(grouping())
     executor = Executor(2, ranks=list(range(len(plan.programs))), store=None)  # BCAST #0, F #1, PUT #2 on r0
-    with pytest.raises(ScheduleError, match=r"r0 #2 PUT vit.s0 mb0 smp\d+ -> r2 \[vit.s0:act\]: a flow plan "
+    with pytest.raises(ScheduleError, match=r"r0 #2 PUT vit.s0 mb\d+ smp\d+ -> r2 \[vit.s0:act\]: a flow plan "
                                             r"\(per-sample pool transfers\) cannot run in the runtime yet"):
         executor.prepare(plan)
