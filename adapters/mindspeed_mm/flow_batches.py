@@ -35,12 +35,39 @@ import torch
 
 from mindspeed_flow.data.batch import TENSOR_KEYS, join_pack
 from mindspeed_flow.data.decode import Sample
+from mindspeed_flow.data.loader import default_cost_model
 from mindspeed_flow.flow import SampleMeta
 from mindspeed_flow.flow.errors import SampleError
+from mindspeed_flow.packing import CostModel
 
 # What a packed batch of the loader's contract holds (mindspeed_flow.data.batch); a regrouped pack
 # is joined from these only, so a batch with another key is not regrouped (nothing says how to cut it).
 PACK_KEYS = (*TENSOR_KEYS, "sample_ids")
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    """How the job's packs are made, which a regrouped microbatch keeps to: ``capacity``
+    tokens at most, the LLM's ``cost_model`` (what the packs are balanced and ordered by),
+    padding to a ``multiple`` of tokens."""
+
+    capacity: int
+    cost_model: CostModel
+    multiple: int = 1
+
+
+def pack_settings(iterator: Any, seq_length: int) -> PackSettings:
+    """The settings of the packing loader behind the job's data ``iterator`` (``--flow-packing``;
+    every rank of a slice holds one, decoding or not): its capacity, cost model and pad
+    multiple.  Without one (a job that hands pre-made packs) a pack holds ``seq_length``
+    tokens, unpadded, costed as the loader's default (:func:`~mindspeed_flow.data.loader.default_cost_model`)."""
+    from .data import flow_iterators
+
+    found = flow_iterators(iterator)
+    if found:
+        loader = found[0].loader
+        return PackSettings(loader.capacity, loader.cost_model, loader.pad_multiple)
+    return PackSettings(seq_length, default_cost_model(seq_length))
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,10 @@ Key = tuple[int, int]  # (record index, chunk)
 JOIN_THREADS = 2
 
 
+def default_cost_model(capacity: int) -> CostModel:
+    """The cost a pack of ``capacity`` tokens is ordered by when none is given: its tokens plus
+    attention's ``sum l^2 / capacity`` (a full pack of one sample costs twice its tokens)."""
+    return CostModel(linear=1.0, quadratic=1.0 / capacity)
 
 
 class FlowDataLoader:
@@ -166,7 +170,7 @@ class FlowDataLoader:
         self.capacity, self.window, self.overlong, self.bad_input = capacity, window, overlong, bad_input
         self.dp_rank, self.dp_size, self.num_workers, self.seed, self.shuffle = dp_rank, dp_size, num_workers, seed, shuffle
         self.step_packs, self.pp_size = step_packs, pp_size
-        self.cost_model = cost_model or CostModel(linear=1.0, quadratic=1.0 / capacity)
+        self.cost_model = cost_model or default_cost_model(capacity)
         self.prefetch_factor = prefetch_factor
         self.group, self.device = group, torch.device(device)
         self.src = broadcast.source_rank(group, src)

@@ -7,7 +7,8 @@ backbone ranks their LLM stage, each role with Megatron's groups over its own ra
 Run by ``test_real_job_decoupled.py`` under torchrun as ``python -m mindspeed_flow.launch
 decoupled_driver.py ARGS --use-flowtrain``; the job JSON (``MINDSPEED_FLOW_HARNESS_JOB``)
 is :mod:`driver`'s plus ``decoupled``: the layout's fields.  Each rank trains its slice's
-share of the samples (one per microbatch) and writes its loss, token count, gradients
+share of the samples (one per microbatch, or the job's ``packs``: packs of them, as the
+packing loader makes them, with ``cu_seqlens`` and per-sample M-RoPE ids) and writes its loss, token count, gradients
 (fp32 ``main_grad`` by global name) and role.
 """
 
@@ -91,8 +92,10 @@ def main() -> None:
     role = layout.role(rank)
     replica = layout.replica(rank)
     samples = [driver.sample_tensors(spec) for spec in driver.JOB["samples"]]
-    mine = layout.microbatches(replica, len(samples))
-    batches = [samples[i] for i in mine]
+    if driver.JOB.get("packs"):  # the slice's packs, as the packing loader hands them (one backbone replica)
+        batches = [driver.packed_batch([samples[i] for i in pack]) for pack in driver.JOB["packs"]]
+    else:
+        batches = [samples[i] for i in layout.microbatches(replica, len(samples))]
     config = get_model_config(model[0])
     config.finalize_model_grads_func = finalize_model_grads
     for chunk in model:

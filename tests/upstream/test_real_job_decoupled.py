@@ -31,9 +31,11 @@ SHM = Path("/dev/shm")
 
 
 def start_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str,
-                    die: dict | None = None) -> tuple[int, str, int]:
+                    die: dict | None = None, packs: list[list[int]] | None = None) -> tuple[int, str, int]:
     """``decoupled_driver.py`` under torchrun on ``layout``'s world, with the plugin and
-    ``--flow-pool-backend backend``: its return code, output and world size."""
+    ``--flow-pool-backend backend``: its return code, output and world size.  ``packs``: the
+    slice's microbatches as packs of these samples (indices; one backbone replica), as the
+    packing loader hands them, instead of one sample a microbatch."""
     workdir.mkdir(parents=True, exist_ok=True)
     model_json = workdir / "model.json"
     model_json.write_text(json.dumps(job.model_json(), indent=1))
@@ -41,7 +43,7 @@ def start_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: 
     spec = {"samples": job.samples, "layout": job.layout, "decoupled": layout,
             "result": str(workdir / "result_{rank}.json"), "grads": str(workdir / "grads_{rank}.pt"),
             "captures": str(workdir / "captures_{rank}.pt"), "capture": [], "load": str(load), "save": None,
-            "die": die}
+            "die": die, "packs": packs}
     (workdir / "job.json").write_text(json.dumps(spec))
     env = upstream_env(upstream_sources(), workdir)
     env["MINDSPEED_FLOW_HARNESS_JOB"] = str(workdir / "job.json")
@@ -54,9 +56,10 @@ def start_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: 
     return returncode, output, world
 
 
-def run_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str) -> list[dict]:
+def run_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str,
+                  packs: list[list[int]] | None = None) -> list[dict]:
     """:func:`start_decoupled`, which must succeed; every rank's result and gradients."""
-    returncode, output, world = start_decoupled(job, layout, workdir, load, backend)
+    returncode, output, world = start_decoupled(job, layout, workdir, load, backend, packs=packs)
     if returncode != 0:
         raise RuntimeError(f"decoupled run failed ({returncode}) in {workdir}\n{output[-30000:]}")
     results = [json.loads((workdir / f"result_{r}.json").read_text()) for r in range(world)]

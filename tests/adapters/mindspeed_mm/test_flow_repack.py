@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_flow.adapters.mindspeed_mm.flow_batches import StepBatches
+from mindspeed_flow.adapters.mindspeed_mm.data import FlowTrainIterator
+from mindspeed_flow.adapters.mindspeed_mm.flow_batches import PackSettings, StepBatches, pack_settings
 from mindspeed_flow.data import FlowDataLoader
+from mindspeed_flow.data.loader import default_cost_model
 from mindspeed_flow.data.batch import collate_pack
 from mindspeed_flow.data.decode import Sample
 from mindspeed_flow.data.mrope import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, mrope_position_ids
@@ -100,6 +102,19 @@ def test_the_real_loaders_packs_cut_and_joined_again_are_bit_for_bit_the_same(lo
     assert [b["sample_ids"] for b in step.batches] == [list(reversed(p["sample_ids"])) for p in reversed(packs)]
     for batch in step.batches:
         assert batch["input_ids"].shape[1] % loader.pad_multiple == 0
+
+
+def test_the_repacking_keeps_to_the_packing_loaders_capacity_cost_model_and_pad_multiple(loader_packs):
+    """Through the job's iterator (and a wrapper such as Megatron's ``RerunDataIterator``):
+    the loader's settings; without a packing loader, ``--seq-length`` and the loader's default cost."""
+    loader, _ = loader_packs
+
+    class Wrapper:  # stands for Megatron's RerunDataIterator, which holds the iterator as .iterable
+        iterable = FlowTrainIterator(loader)
+
+    assert pack_settings(Wrapper(), 4096) == PackSettings(256, loader.cost_model, 8)
+    assert loader.cost_model == default_cost_model(256)
+    assert pack_settings(iter([]), 4096) == PackSettings(4096, default_cost_model(4096), 1)
 
 
 def test_a_batch_that_is_not_a_loader_pack_is_refused_naming_it():
