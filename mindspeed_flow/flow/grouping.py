@@ -9,8 +9,8 @@ the encoder's batches by the encoder's, so neither side inherits the other's gro
   multiple of the replicas), or the job's count (``microbatches=``: repacking alone makes as
   few, as full microbatches as it can, which widens the pipeline's bubbles).  They are
   filled by the LLM's *cost*, not its tokens (heaviest sample first into the cheapest
-  microbatch with room; best-fit's token packs are kept only when their busiest replica
-  costs less), then dealt over the data-parallel replicas and ordered for the pipeline by
+  microbatch with room; best-fit's token packs, or a caller's ``candidates`` such as a job
+  loader's packs, are kept only when their busiest replica costs less), then dealt over the data-parallel replicas and ordered for the pipeline by
   that cost (:func:`mindspeed_flow.packing.dispatch`: snake deal, swap repair, zig-zag
   heavy/light order when ``pp > 1``).  Give ``llm_cost`` the model's fitted
   :class:`~mindspeed_flow.packing.CostModel` (``scripts/calibrate_cost_model.py``): with its
@@ -126,6 +126,7 @@ def group_step(
     dp: int = 1,
     pp: int = 1,
     microbatches: int | None = None,
+    candidates: Sequence[Sequence[Sequence[int]]] = (),
 ) -> FlowGrouping:
     """Group one step's ``samples`` for the backbone and for the encoder (see the module).
 
@@ -138,6 +139,11 @@ def group_step(
             pipeline stages.
         microbatches: the job's microbatch count for the step (a multiple of ``dp``);
             ``None``: as many as best-fit packing needs, rounded up to a multiple of ``dp``.
+        candidates: other groupings of the samples into the step's microbatches (sample ids;
+            e.g. the packs a job's loader made), weighed with best-fit's and the cost fill's by
+            the same rule; each must hold every sample once, in as many groups as the step has
+            microbatches, each within ``capacity``.  The fill can fail where a candidate fits
+            (it is greedy); then the candidates are all there is to choose from.
     """
     samples = tuple(samples)
     step = _check_samples(samples, capacity)
@@ -147,8 +153,9 @@ def group_step(
     lengths = [s.llm_tokens for s in samples]
     packs = [list(p) for p in pack(lengths, capacity)]
     count = microbatches or -(-len(packs) // dp) * dp
-    packs, costs, per_replica = _balanced(samples, packs if count == len(packs) else None, count, capacity,
-                                          llm_cost, dp, pp)
+    given = ([packs] if count == len(packs) else []) + \
+        [_candidate(samples, c, k, count, capacity) for k, c in enumerate(candidates)]
+    packs, costs, per_replica = _balanced(samples, given, count, capacity, llm_cost, dp, pp)
     needed = [(per_replica[d][k], d) for k in range(count // dp) for d in range(dp)]
     llm_groups = tuple(tuple(samples[i].sample_id for i in packs[p]) for p, _ in needed)
     batches, batch_replica = _encoder_batches(
@@ -184,24 +191,43 @@ def _check_samples(samples: Sequence[SampleMeta], capacity: int) -> int:
     return step
 
 
+def _candidate(samples: Sequence[SampleMeta], groups: Sequence[Sequence[int]], k: int, count: int,
+               capacity: int) -> list[list[int]]:
+    """Candidate grouping ``k`` (sample ids) as indices into ``samples``; refused, naming the
+    candidate, when it has another count of microbatches, loses, repeats or adds a sample, or
+    holds a microbatch over ``capacity`` tokens."""
+    step = samples[0].step
+    if len(groups) != count:
+        raise GroupingError(f"group_step: candidate {k} has {len(groups)} microbatches, step {step} has {count}")
+    _check_once(step, f"candidate {k}'s microbatch", groups, [s.sample_id for s in samples])
+    index = {s.sample_id: i for i, s in enumerate(samples)}
+    indices = [[index[int(s)] for s in group] for group in groups]
+    for m, group in enumerate(indices):
+        tokens = sum(samples[i].llm_tokens for i in group)
+        if tokens > capacity:
+            raise GroupingError(f"group_step: candidate {k}'s microbatch {m} holds {tokens} LLM tokens, more than "
+                                f"the capacity of {capacity}")
+    return indices
+
+
 def _balanced(
-    samples: Sequence[SampleMeta], packed: list[list[int]] | None, count: int, capacity: int,
+    samples: Sequence[SampleMeta], given: list[list[list[int]]], count: int, capacity: int,
     llm_cost: CostModel, dp: int, pp: int,
 ) -> tuple[list[list[int]], list[float], list[list[int]]]:
     """``count`` microbatches dealt over the replicas, balanced by the LLM's cost.
 
-    Best-fit packing (``packed``, when it made ``count`` packs) fills microbatches by
+    Best-fit packing (in ``given``, when it made ``count`` packs) fills microbatches by
     tokens, and equal tokens are not equal work: a pack holding one long sample costs far
     more than one of many short samples (attention's ``sum l^2``).  So the microbatches are
     also filled by cost (:func:`_fill`), and the candidate whose busiest replica costs least
     is kept (then the one whose dearest microbatch, which the pipeline's ramp waits on,
-    costs least; best-fit's on ties).  Returns the microbatches, their costs and
-    :func:`~mindspeed_flow.packing.dispatch`'s deal."""
-    candidates = [] if packed is None else [packed]
+    costs least; the first of ``given`` on ties: best-fit's, then the caller's).  Returns
+    the microbatches, their costs and :func:`~mindspeed_flow.packing.dispatch`'s deal."""
+    candidates = list(given)
     try:
         candidates.append(_fill(samples, count, capacity, llm_cost))
     except GroupingError:
-        if not candidates:  # best-fit made another count: only the fill can make this one
+        if not candidates:  # best-fit made another count and none was given: only the fill can make this one
             raise
     best = None
     for packs in candidates:
