@@ -20,8 +20,9 @@ Layouts, 4 ranks each:
 Every layout trains the same LLM microbatches (``group_step``'s, packed by the LLM's cost;
 backbone replica ``d`` trains those ``group_step`` dealt to replica ``d``).
 The simulator's prediction: ``compose_flow`` + ``simulate`` (trainable flow, per step),
-``compose_flow_steps`` of the whole run (frozen flow: the producers running ahead; the
-warm-up step's end subtracted), ``DecoupledLayout.plan`` + ``simulate`` per slice
+per step the longer of the backbone's step from entries encoded ahead and the producers'
+forwards of the next step (frozen flow: the producers run one step ahead, the steps end at a
+barrier; :func:`predicted_frozen_flow`), ``DecoupledLayout.plan`` + ``simulate`` per slice
 (lockstep), ``compose`` of the ViT-in-stage-0 pipeline + ``simulate`` (stage0-pp2), and the
 replicas' summed compute (stage0-pp1, no pipeline).  Pool gets cost a fixed per-transfer
 time measured here first (``transfer_overhead``: announce, put, ready, get, release of one
@@ -356,23 +357,42 @@ def predicted(args: argparse.Namespace, layout: str, frozen: bool, step: int) ->
 
 
 def predicted_frozen_flow(args: argparse.Namespace, path: Path | None = None) -> float:
-    """A frozen flow's mean measured-step time as the simulator sees it: every step of the run
-    in one plan (:func:`compose_flow_steps`, the producers running ahead into the next step),
-    the warm-up step's end subtracted; ``path``: its Gantt chart."""
+    """A frozen flow's mean measured-step time as the simulator sees it.
+
+    The bench's steps meet at a barrier (as a trainer's steps end together) and a frozen
+    producer runs one step ahead (:meth:`~mindspeed_flow.flow.EmbeddingProducer.run_ahead`
+    of the next step, whose entries all fit the pool): in measured step ``k`` the backbone
+    trains step ``k`` from entries encoded in step ``k - 1`` while the producers encode step
+    ``k + 1`` (nothing after the last step).  So each step takes the longer of the backbone's
+    simulated step (``compose_flow`` with the encoder's forwards free: its entries are in)
+    and the busiest producer's simulated forwards of the next step.  (``compose_flow_steps``
+    alone lets the producers run as far ahead as they can: no step boundary, so a heavy
+    step's images spread into the earlier steps' slack, which the measured run cannot do.)
+    ``path``: the Gantt chart of the whole run as ``compose_flow_steps`` (no boundary)."""
     llm, encoder = models(args)
     groupings = [grouping(args, step) for step in range(args.steps + 1)]
     vit_cost = RegionCost(forward=1.0, backward_ratio=2.0, input_grad_ratio=0.0, output_bytes=ROWS * DIM * 4)
 
-    def run(steps):
-        return simulate(compose_flow_steps(steps, trainable_encoder=False),
-                        flow_costs(steps, llm_cost=llm, encoder_cost=encoder, encoder=vit_cost,
-                                   backbone=RegionCost(backward_ratio=2.0), pool=Link(latency=args.transfer_s),
-                                   token_bytes=DIM * 4))
+    def run(plan, steps, encoder_cost):
+        return simulate(plan, flow_costs(steps, llm_cost=llm, encoder_cost=encoder_cost, encoder=vit_cost,
+                                         backbone=RegionCost(backward_ratio=2.0), pool=Link(latency=args.transfer_s),
+                                         token_bytes=DIM * 4))
 
-    whole = run(groupings)
     if path is not None:
-        draw(whole, path, title="frozen flow, simulated (step:group)", text=StepNumbering.of(groupings).label)
-    return (whole.step_time - run(groupings[:1]).step_time) / args.steps
+        whole = run(compose_flow_steps(groupings, trainable_encoder=False), groupings, encoder)
+        draw(whole, path, title="frozen flow, simulated without step boundaries (step:group)",
+             text=StepNumbering.of(groupings).label)
+    times = []
+    for k in range(1, args.steps + 1):
+        g = groupings[k]
+        backbone = run(compose_flow(g, trainable_encoder=False), g, EncoderCost()).step_time
+        ahead = 0.0
+        if k < args.steps:
+            following = grouping(args, k + 1)
+            result = run(compose_flow(following, trainable_encoder=False), following, encoder)
+            ahead = max(result.busy[e] for e in range(following.encoder_replicas))
+        times.append(max(backbone, ahead))
+    return statistics.mean(times)
 
 
 def transfer_overhead(args: argparse.Namespace, count: int = 300) -> float:
