@@ -29,6 +29,7 @@ grouping that lost or repeated a sample, naming it.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
@@ -234,9 +235,19 @@ def _balanced(
         costs = [llm_cost.cost([samples[i].llm_tokens for i in p]) for p in packs]
         per_replica = dispatch(costs, dp, pp)
         key = (max(sum(costs[p] for p in mine) for mine in per_replica), max(costs))
-        if best is None or key < best[0]:
+        if best is None or _less(key, best[0]):
             best = (key, packs, costs, per_replica)
     return best[1], best[2], best[3]
+
+
+def _less(key: tuple[float, ...], other: tuple[float, ...]) -> bool:
+    """``key < other``, element by element, with costs equal up to rounding taken as equal:
+    with one replica every candidate's busiest replica is the step's whole cost, the same sum
+    added in another order, and its last bits must not decide (the dearest microbatch must)."""
+    for a, b in zip(key, other):
+        if not math.isclose(a, b, rel_tol=1e-9):
+            return a < b
+    return False
 
 
 def _fill(samples: Sequence[SampleMeta], count: int, capacity: int, llm_cost: CostModel) -> list[list[int]]:

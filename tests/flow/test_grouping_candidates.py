@@ -48,3 +48,15 @@ def test_the_fill_wins_over_a_dearer_candidate():
 def test_a_bad_candidate_is_refused_naming_it(candidate, message):
     with pytest.raises(GroupingError, match=message):
         grouped([8, 1, 1, 8], 10, 2, candidates=[candidate])
+
+
+def test_equal_step_costs_summed_in_another_order_do_not_decide():
+    """One replica: every grouping's busiest replica is the whole step's cost, the same sum
+    added in another order.  Here the candidate's comes out a rounding error lower
+    (1501.1369999999997 against 1501.137); its dearest microbatch (1127.9) must lose to the
+    fill's (820.6) all the same."""
+    cost = CostModel(linear=0.37, quadratic=1.0 / 3000)
+    samples = [SampleMeta(i, 0, n) for i, n in enumerate([2, 552, 554, 639, 806])]
+    grouping = group_step(samples, capacity=3000, llm_cost=cost, encoder_cost=EncoderCost(linear=1.0),
+                          encoder_budget=1.0, pp=2, microbatches=2, candidates=[[[3, 0], [1, 2, 4]]])
+    assert {frozenset(mb) for mb in grouping.microbatches} == {frozenset({4, 1}), frozenset({3, 2, 0})}
