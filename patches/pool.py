@@ -8,6 +8,8 @@ from ``--flow-schedule-config`` (its ``decoupled:`` form) or a decoupled ``--flo
 - ``initialize_model_parallel`` builds Megatron's groups per role over that role's ranks,
   then the runtime's cross-role groups;
 - ``VLMModel.__init__`` builds this rank's part (ViT + projector, or its LLM stage);
+- MindSpeed-MM's ``training_log`` runs on an encoder rank that trains nothing (a frozen ViT:
+  Megatron's stub optimizer has no learning rate to log);
 - the optimizer's gradient statistics (``--clip-grad``'s norm) are reduced over the slice,
   both roles together;
 - ``save_checkpoint`` also writes each file's optimizer parameter names and the layout's
@@ -64,6 +66,15 @@ PATCHES = [
         checked=(MINDSPEED_MM,),
         order=20,
         description="decoupled layout: encoder ranks build ViT + projector, backbone ranks their LLM stage",
+    ),
+    Patch(
+        feature=FEATURE,
+        target="mindspeed_mm.training:training_log",
+        wrapper=mm_roles.training_log_wrapper,
+        params="loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, iteration",
+        checked=(MINDSPEED_MM,),
+        order=20,
+        description="decoupled layout: a frozen ViT's encoder rank (a stub optimizer, no learning rate) logs",
     ),
     Patch(
         feature=FEATURE,

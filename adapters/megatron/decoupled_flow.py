@@ -14,7 +14,11 @@ encode exactly LLM microbatch ``m`` and put it whole.  Under the flow, one step 
   ``forward_step`` on each of its batches (the ViT + projector of ``VLMModel``) and puts one
   pool entry per sample (``flow/step<n>/act/<id>``); a trainable ViT then takes each
   sample's embedding gradient back and runs a batch's backward once all its samples' are in
-  (within the step: its weights change at the step boundary);
+  (within the step: its weights change at the step boundary); a frozen ViT's producer is
+  kept across steps and, when the job's next call is the next training step, reads that
+  step's microbatches and encodes them ahead while the pool has room, never waiting
+  (:func:`run_ahead`; the next call only puts them, :func:`encoder_step`); a checkpoint holds
+  the backbone's loader position, so what was encoded ahead is encoded again after a resume;
 - the backbone runs its pipeline's plain 1F1B (:func:`~mindspeed_flow.flow.backbone_plan`)
   on the runtime's executor over Megatron's pipeline group (the backbone's ranks only); its
   first stage's feed takes each microbatch's samples' embeddings by key right before the
@@ -31,10 +35,11 @@ What it does not run yet is refused at start-up (:func:`check_supported`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mindspeed_flow.decoupled import LayoutError
+from mindspeed_flow.flow.errors import StreamError
 from mindspeed_flow.schedule.regions import BACKBONE_REGION
 
 log = logging.getLogger(__name__)
@@ -45,11 +50,20 @@ class FlowState:
     """Across steps: the flow's step count (keys ``flow/step<n>/...``; every rank of a slice
     calls the step as often), the backbone pipeline's executor, and what this rank did in
     the latest step (``last``: the two groupings' sample ids; the encoder's forwards and
-    backwards, the first stage's samples taken and gradients put), for tests and logs."""
+    backwards, the first stage's samples taken and gradients put), for tests and logs.
+
+    On an encoder rank also its :class:`~mindspeed_flow.flow.EmbeddingProducer` (``producer``,
+    kept across steps: what a frozen ViT encoded ahead is put by the next step's), the steps'
+    samples it may still encode or put (``samples``, by step) and the next step it read and
+    ran ahead into (``ahead``: its samples and grouping; the counter ``steps`` already counts
+    it, so the next call takes it instead of reading the data iterator again)."""
 
     steps: int = 0
     executor: Any = None
     last: dict | None = None
+    producer: Any = None
+    samples: dict = field(default_factory=dict)
+    ahead: tuple[Any, Any] | None = None
 
 
 FLOW = FlowState()
@@ -102,28 +116,100 @@ def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[An
     return samples, grouping
 
 
+def encoder_step(layout: Any, iterator: Any, num_microbatches: int, *, forward_only: bool) -> tuple[Any, Any]:
+    """An encoder rank's step: the one it read and ran ahead into during the previous call
+    (its microbatches are not read again), else :func:`step_grouping`'s.  A held step that
+    this call cannot be (an evaluation, another microbatch count) is refused: its number is
+    taken, and the backbone would wait for another step's keys."""
+    if FLOW.ahead is None:
+        return step_grouping(layout, iterator, num_microbatches)
+    (samples, grouping), FLOW.ahead = FLOW.ahead, None
+    if forward_only or len(samples.batches) != num_microbatches:
+        raise StreamError(f"decoupled.flow: the encoder ran ahead into step {samples.step} "
+                          f"({len(samples.batches)} microbatches, training), but the job's next call is "
+                          f"{'an evaluation' if forward_only else 'a training step'} of {num_microbatches} "
+                          "microbatches (next_is_training_step foresaw it wrong)")
+    return samples, grouping
+
+
+def next_is_training_step(args: Any) -> bool:
+    """Whether the job's next ``forward_backward_func`` call is its next training step, of
+    the same microbatch count, on the same data iterator (MindSpeed-MM's ``train`` loop): not
+    after the last iteration (``train_iters``), nor before an evaluation (after iteration
+    ``i`` when ``do_valid`` and ``i % eval_interval == 0``), nor under a batch-size ramp-up or
+    ``--use-data-balance`` (which rebuilds the iterator every step).  Unknown (no
+    ``curr_iteration``: not MindSpeed-MM's loop): no."""
+    current, total = getattr(args, "curr_iteration", None), getattr(args, "train_iters", None)
+    if current is None or total is None:
+        return False
+    done = current + 1
+    evaluates = getattr(args, "do_valid", False) and getattr(args, "eval_interval", None) and \
+        done % args.eval_interval == 0
+    changes = getattr(args, "rampup_batch_size", None) or getattr(args, "use_data_balance", False)
+    return done < total and not evaluates and not changes
+
+
 def produce(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *,
-            replica: int, trainable: bool, timeout_s: float, replicas_group: Any = None) -> Any:
-    """Encoder replica ``replica``'s step: its batches encoded and put per sample; a trainable
-    ViT's backwards as the gradients come back, then (several replicas) the sum of the
-    replicas' gradients over ``replicas_group``.  Returns the producer's stats."""
-    from mindspeed_flow.flow import EmbeddingProducer
-
-    def encode(metas: Any) -> Any:
-        output, _ = forward_step_func(iter([samples.encoder_input(metas)]), model)
-        return output.reshape(-1, output.shape[-1])
-
-    producer = EmbeddingProducer(pool, encode, replica=replica, trainable=trainable, timeout_s=timeout_s)
+            replica: int, trainable: bool, timeout_s: float, replicas_group: Any = None,
+            max_in_flight: int | None = None) -> Any:
+    """Encoder replica ``replica``'s step: its batches encoded and put per sample (those a
+    frozen ViT encoded ahead in the previous step only put); a trainable ViT's backwards as
+    the gradients come back, then (several replicas) the sum of the replicas' gradients over
+    ``replicas_group``.  Returns the producer's stats (over the steps)."""
+    producer = _producer(pool, forward_step_func, model, replica=replica, trainable=trainable, timeout_s=timeout_s,
+                         max_in_flight=max_in_flight)
+    FLOW.samples[samples.step] = samples
     producer.forward(grouping)
     if trainable:
         producer.backward(grouping)
         if grouping.encoder_replicas > 1:
             sum_replica_grads(model, replicas_group)
-    FLOW.last = {**_groups(grouping), "forwards": len(producer.stats.forwards),
-                 "backwards": len(producer.stats.backwards)}
+    FLOW.samples = {step: s for step, s in FLOW.samples.items() if step > samples.step}
+    FLOW.last = {**_groups(grouping), "forwards": _count(producer.stats.forwards, grouping.step),
+                 "backwards": _count(producer.stats.backwards, grouping.step)}
     log.info("mindspeed-flow flow: step %d: LLM microbatches %s, encoder batches %s (sample ids)",
              samples.step, [list(mb) for mb in grouping.microbatches], [list(b) for b in grouping.batches])
     return producer.stats
+
+
+def run_ahead(layout: Any, iterator: Any, num_microbatches: int) -> int:
+    """A frozen ViT's encoder rank after its step: read the next step's microbatches, group
+    them and encode this replica's batches of it while their entries fit
+    (:meth:`~mindspeed_flow.flow.EmbeddingProducer.run_ahead`: never waits, so the step's end
+    cannot deadlock); the next call produces that step (:func:`encoder_step`).  Call it only
+    when :func:`next_is_training_step`.  Returns the batches encoded."""
+    samples, grouping = step_grouping(layout, iterator, num_microbatches)
+    FLOW.ahead = samples, grouping
+    FLOW.samples[samples.step] = samples
+    done = FLOW.producer.run_ahead(grouping)
+    mine = len(grouping.replica_batches(FLOW.producer.replica))
+    FLOW.last = {**(FLOW.last or {}), "ahead_step": samples.step, "ahead_batches": done, "ahead_of": mine}
+    log.info("mindspeed-flow flow: step %d: ran ahead into step %d: %d of %d batches", samples.step - 1,
+             samples.step, done, mine)
+    return done
+
+
+def _producer(pool: Any, forward_step_func: Callable, model: Any, *, replica: int, trainable: bool,
+              timeout_s: float, max_in_flight: int | None) -> Any:
+    """This rank's producer, kept across steps (a new one when the ViT's trainability for the
+    call changes: an evaluation of a trainable ViT); its ``encode`` runs this call's
+    ``forward_step_func`` on a batch of the samples' step."""
+    from mindspeed_flow.flow import EmbeddingProducer
+
+    def encode(metas: Any) -> Any:
+        output, _ = forward_step_func(iter([FLOW.samples[metas[0].step].encoder_input(metas)]), model)
+        return output.reshape(-1, output.shape[-1])
+
+    producer = FLOW.producer
+    if producer is None or producer.trainable != trainable:
+        producer = FLOW.producer = EmbeddingProducer(pool, encode, replica=replica, trainable=trainable,
+                                                     max_in_flight=max_in_flight, timeout_s=timeout_s)
+    producer.encode = encode
+    return producer
+
+
+def _count(actions: list, step: int) -> int:
+    return sum(1 for s, _ in actions if s == step)
 
 
 def sum_replica_grads(model: Any, group: Any) -> None:

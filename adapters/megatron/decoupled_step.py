@@ -26,7 +26,8 @@ gradient all-reduce would race with that ``REDUCE``: ``--overlap-grad-reduce`` i
 With ``flow: true`` in the layout the step is FlowTrain's flow instead of the plan: the encoder
 rank encodes the step's samples in batches of its own and puts one pool entry per sample, the
 backbone runs its pipeline's 1F1B and takes each microbatch's samples by key
-(:mod:`.decoupled_flow`); the pool, the loss dicts, the token count and the gradient
+(:mod:`.decoupled_flow`; a frozen ViT's encoder rank runs ahead into the next training
+step after its own); the pool, the loss dicts, the token count and the gradient
 finalisation around it are the same.
 """
 
@@ -169,23 +170,30 @@ def close() -> None:
 
 
 def _flow_step(layout: Any, rank: int, role: Any, forward_step_func: Callable, iterator: Any, model: Any,
-               num_microbatches: int, trainable: bool, run: Callable[..., Any]) -> tuple[list, Any]:
+               num_microbatches: int, trainable: bool, forward_only: bool, run: Callable[..., Any]) -> tuple[list, Any]:
     """One step of the layout's flow (:mod:`.decoupled_flow`) on this rank: its
-    ``forward_data_store`` and token count (an encoder rank's: empty, zero)."""
+    ``forward_data_store`` and token count (an encoder rank's: empty, zero).  A frozen ViT's
+    encoder rank then runs ahead into the next step when the job's next call is that
+    training step (:func:`~.decoupled_flow.next_is_training_step`)."""
     import torch
+    from megatron.training import get_args
 
     from mindspeed_flow.adapters.megatron import decoupled_flow
     from mindspeed_flow.adapters.megatron.schedule import SETTINGS
 
     decoupled_flow.check_supported(layout)
-    samples, grouping = decoupled_flow.step_grouping(layout, iterator, num_microbatches)
     timeout_s = SETTINGS.options.wait.timeout_s
     if role.region == ENCODER_REGION:
         from mindspeed_flow.adapters.megatron.roles import ROLES, encoder_replica
 
+        samples, grouping = decoupled_flow.encoder_step(layout, iterator, num_microbatches, forward_only=forward_only)
         decoupled_flow.produce(samples, grouping, forward_step_func, model, STATE.pool, replica=encoder_replica(),
-                               trainable=trainable, timeout_s=timeout_s, replicas_group=ROLES.groups[ENCODER_REGION])
+                               trainable=trainable, timeout_s=timeout_s, replicas_group=ROLES.groups[ENCODER_REGION],
+                               max_in_flight=layout.flow_max_in_flight)
+        if not trainable_encoder() and not forward_only and decoupled_flow.next_is_training_step(get_args()):
+            decoupled_flow.run_ahead(layout, iterator, num_microbatches)
         return [], torch.zeros([], dtype=torch.int)
+    samples, grouping = decoupled_flow.step_grouping(layout, iterator, num_microbatches)
     executor = decoupled_flow.backbone_executor(layout, rank, SETTINGS.options)
     result = decoupled_flow.consume(samples, grouping, forward_step_func, model, STATE.pool, stage=role.stage,
                                     trainable=trainable, timeout_s=timeout_s,
@@ -231,7 +239,8 @@ def decoupled_forward_backward(*, forward_step_func: Callable, data_iterator: An
 
     if layout.flow:
         forward_data_store, total_num_tokens = _flow_step(layout, rank, role, forward_step_func, iterator, models[0],
-                                                          slice_microbatches, trainable and not forward_only, run)
+                                                          slice_microbatches, trainable and not forward_only,
+                                                          forward_only, run)
     else:
         key = (slice_microbatches, trainable)
         plan = STATE.plans.get(key)

@@ -58,7 +58,8 @@ def optimizer_param_names(optimizer: Any, model: list) -> dict[str, list[list[st
     """The names of ``optimizer``'s parameters, per inner parameter group in the order its
     ``state_dict`` indexes them (``"groups"``), and of those with an fp32 main copy
     (``"main_copies"``: the ``fp32_from_fp16_params`` lists), as the model's state dict names
-    them.  Megatron's non-distributed optimizers only."""
+    them.  Megatron's non-distributed optimizers only (a stub one, on a rank that trains
+    nothing such as a frozen ViT's encoder rank, has none)."""
     optimizer = single_optimizer(optimizer)
     if optimizer is None:
         raise CheckpointFormError("only the state of Megatron's non-distributed optimizer (one, or one chained) "
@@ -69,7 +70,7 @@ def optimizer_param_names(optimizer: Any, model: list) -> dict[str, list[list[st
                                 getattr(optimizer, "fp32_from_float16_groups", [])):
         model_param.update({id(main): half for half, main in zip(group16, group32)})
     groups = [[names[id(model_param.get(id(p), p))] for p in group["params"]]
-              for group in optimizer.optimizer.param_groups]
+              for group in optimizer.param_groups]  # the inner optimizer's; [] for a stub
     copies = [[names[id(p)] for p in group] for group in getattr(optimizer, "float16_groups", [])]
     return {"groups": groups, "main_copies": copies}
 

@@ -36,7 +36,11 @@ With ``--flow-packing``:
   as upstream's per-chunk copies of one loader yield them), so nothing is decoded twice.
 - ``save_checkpoint`` also writes each decoding rank's loader state,
   ``flow_loader_dprank{DP:03d}.pt`` in the checkpoint's directory (Megatron's
-  ``get_checkpoint_name`` layout).
+  ``get_checkpoint_name`` layout).  Under a decoupled layout an encoder rank decodes its
+  slice's packs too, but only the slice's first backbone stage writes them: its position is
+  the trained step's, while a frozen ViT's encoder rank under the flow has read the next
+  step's microbatches already (it runs ahead); on resume the encoder rank loads that stage's
+  file (:func:`loader_state_to_load`), so what it had encoded ahead is read and encoded again.
 
 Nothing upstream is imported at module level.
 """
@@ -377,12 +381,8 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         processor_file=os.path.join(str(spec.processor_path), "preprocessor_config.json"),
     )
     if getattr(margs, "load", None) and getattr(margs, "iteration", 0) > 0 and loader.decoding:
-        path = loader_state_path(margs.load, margs.iteration, loader.dp_rank, spec.split,
-                                 getattr(margs, "ckpt_format", "torch"))
-        if not os.path.isfile(path):  # a checkpoint of the other layout (decoupled / co-located)
-            from mindspeed_flow.adapters.megatron.role_checkpoint import loader_state_fallback
-
-            path = loader_state_fallback(path) if os.path.isfile(loader_state_fallback(path)) else path
+        path = loader_state_to_load(loader_state_path(margs.load, margs.iteration, loader.dp_rank, spec.split,
+                                                      getattr(margs, "ckpt_format", "torch")))
         if os.path.isfile(path):
             loader.load_state_dict(torch.load(path, weights_only=False)["flow_loader"])
         else:
@@ -391,6 +391,20 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     if mpu.get_virtual_pipeline_model_parallel_world_size():
         _CHUNK_LOADERS[spec] = loader
     return loader
+
+
+def loader_state_to_load(path: str) -> str:
+    """The loader state file a decoding rank resumes from, given its own name ``path``: its
+    own, or the other layout's name for the same packs
+    (:func:`~mindspeed_flow.adapters.megatron.role_checkpoint.loader_state_fallback`: the
+    encoder's ``mp_rank_TT`` and the first stage's ``mp_rank_TT_000``).  An encoder rank of a
+    decoupled layout takes its slice's first backbone stage's first (encoder ranks write none,
+    :func:`save_checkpoint`; with one backbone stage the two names are one file)."""
+    from mindspeed_flow.adapters.megatron.role_checkpoint import loader_state_fallback
+
+    other = loader_state_fallback(path)
+    first, second = (other, path) if role_region() == ENCODER_REGION else (path, other)
+    return first if os.path.isfile(first) or not os.path.isfile(second) else second
 
 
 # Megatron builds the data iterators once per model chunk (virtual pipeline rank set); upstream's
@@ -469,7 +483,8 @@ def _chunk_view(loader: FlowDataLoader) -> Optional[ChunkView]:
 
 
 def save_checkpoint(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``save_checkpoint``: the model's checkpoint, then each decoding rank's loader state."""
+    """``save_checkpoint``: the model's checkpoint, then each decoding rank's loader state
+    (under a decoupled layout not an encoder rank's: see the module)."""
     result = wrapped(*args, **kwargs)
     from megatron.training import get_args
 
@@ -477,7 +492,7 @@ def save_checkpoint(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     save_dir, ckpt_format = get_args().save, getattr(get_args(), "ckpt_format", "torch")
     for iterator in list(_LIVE):
         loader = iterator.loader
-        if loader.decoding and save_dir:
+        if loader.decoding and save_dir and role_region() != ENCODER_REGION:
             path = loader_state_path(save_dir, iteration, loader.dp_rank, iterator.split, ckpt_format)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"flow_loader": iterator.save_state()}, path + ".tmp")

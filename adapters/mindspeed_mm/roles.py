@@ -77,3 +77,20 @@ def vlm_init_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict
             param.shared = True
     return result
 
+
+
+TRAINING_LOG_PARAMS = ("loss_dict", "total_loss_dict", "learning_rate", "decoupled_learning_rate", "iteration")
+
+
+def training_log_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``mindspeed_mm.training.training_log`` on an encoder rank whose model trains nothing (a
+    frozen ViT + projector): Megatron builds a stub optimizer there (no parameter groups, as
+    it does for frozen sub-models), so MindSpeed-MM's loop finds no learning rate and its log
+    refuses ``None`` (``AssertionError``).  That rank's log line is never shown (the log is
+    printed by the last rank, a backbone rank; the tensorboard writer is the last rank's), so
+    it gets 0.0; every other rank's log is upstream's."""
+    from .model import _argument, _with_argument
+
+    if _argument(args, kwargs, TRAINING_LOG_PARAMS, "learning_rate") is None and role_region() == ENCODER_REGION:
+        args, kwargs = _with_argument(args, kwargs, TRAINING_LOG_PARAMS, "learning_rate", 0.0)
+    return wrapped(*args, **kwargs)

@@ -75,6 +75,9 @@ class DecoupledLayout:
             takes each microbatch's samples by key (``mindspeed_flow.flow``).
         flow_encoder_batch_patches: under ``flow``, the ViT patches of one encoder batch
             (a sample with more gets a batch of its own).
+        flow_max_in_flight: under ``flow``, a frozen encoder replica's pool entries put and
+            not yet taken, at most, when it runs ahead into the next step (``None``: the
+            pool's capacity alone bounds it; it never runs more than one step ahead).
     """
 
     encoder_dp: int = 1
@@ -87,6 +90,7 @@ class DecoupledLayout:
     backbone_tp: int = 1
     flow: bool = False
     flow_encoder_batch_patches: int = 1024
+    flow_max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         sizes = {name: getattr(self, name) for name in ("encoder_dp", "encoder_tp", "backbone_pp", "backbone_tp",
@@ -97,6 +101,9 @@ class DecoupledLayout:
         if self.flow_encoder_batch_patches < 1:
             raise LayoutError(f"DecoupledLayout: flow_encoder_batch_patches must be >= 1, got "
                               f"{self.flow_encoder_batch_patches}")
+        if self.flow_max_in_flight is not None and self.flow_max_in_flight < 1:
+            raise LayoutError(f"DecoupledLayout: flow_max_in_flight must be >= 1 or None, got "
+                              f"{self.flow_max_in_flight}")
 
     # ------------------------------------------------------------------ placement
 

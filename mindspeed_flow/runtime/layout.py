@@ -138,10 +138,13 @@ class _DecoupledSection:
     max_in_flight: Optional[int] = DecoupledLayout.__dataclass_fields__["max_ahead"].default
     flow: bool = False  # FlowTrain's flow: per-sample pool entries, encoder batches of its own
     flow_encoder_batch_patches: int = DecoupledLayout.__dataclass_fields__["flow_encoder_batch_patches"].default
+    flow_max_in_flight: Optional[int] = None  # a frozen encoder's entries ahead, at most (null: the pool's room)
 
     def __post_init__(self) -> None:
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ScheduleError(f"max_in_flight must be >= 1 or null (unbounded), got {self.max_in_flight}")
+        if self.flow_max_in_flight is not None and self.flow_max_in_flight < 1:
+            raise ScheduleError(f"flow_max_in_flight must be >= 1 or null (unbounded), got {self.flow_max_in_flight}")
         if self.encoder.dp % self.backbone.dp:
             raise ScheduleError(f"encoder.dp {self.encoder.dp} (encoder replicas in the job) does not split over "
                                 f"backbone.dp {self.backbone.dp}: every backbone replica needs as many")
@@ -156,6 +159,7 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
           max_in_flight: 2                 # microbatches ahead of their backward (null: unbounded)
           flow: true                       # optional: FlowTrain's flow instead of the lockstep plan
           flow_encoder_batch_patches: 1024 # optional: ViT patches per encoder batch under the flow
+          flow_max_in_flight: 64           # optional: a frozen ViT's entries ahead of the backbone (null: the pool's room)
 
     The layer counts are the model's (:meth:`~mindspeed_flow.decoupled.DecoupledLayout.with_layers`).
     A typo, a wrong type, a size below one or an encoder that does not split over the
@@ -169,7 +173,8 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
         return DecoupledLayout(encoder_dp=spec.encoder.dp // spec.backbone.dp, encoder_tp=spec.encoder.tp,
                                backbone_pp=spec.backbone.pp, backbone_tp=spec.backbone.tp,
                                backbone_dp=spec.backbone.dp, max_ahead=spec.max_in_flight, flow=spec.flow,
-                               flow_encoder_batch_patches=spec.flow_encoder_batch_patches)
+                               flow_encoder_batch_patches=spec.flow_encoder_batch_patches,
+                               flow_max_in_flight=spec.flow_max_in_flight)
     except LayoutError as exc:  # the section's own checks come first; this is a safety net
         raise ScheduleError(f"{path}: decoupled: {exc}") from None
 

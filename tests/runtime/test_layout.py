@@ -215,7 +215,7 @@ def test_decoupled_form_gives_a_decoupled_layout(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}, max_in_flite: 2}",
      "unknown key decoupled.max_in_flite (known in decoupled: encoder, backbone, max_in_flight, flow, "
-     "flow_encoder_batch_patches)"),
+     "flow_encoder_batch_patches, flow_max_in_flight)"),
     ("decoupled: {encoder: {dp: 1, pp: 2}, backbone: {pp: 2}}", "unknown key decoupled.encoder.pp"),
     ("decoupled: {backbone: {pp: 2}}", "missing key decoupled.encoder"),
     ("decoupled: {encoder: {dp: 1}, backbone: {dp: 1}}", "missing key decoupled.backbone.pp"),
@@ -225,13 +225,15 @@ def test_decoupled_form_gives_a_decoupled_layout(tmp_path):
     ("decoupled: {encoder: {dp: 1}, backbone: {pp: 0}}", "decoupled.backbone: pp must be >= 1, got 0"),
     ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}, max_in_flight: 0}",
      "decoupled: max_in_flight must be >= 1 or null"),
+    ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}, flow: true, flow_max_in_flight: 0}",
+     "decoupled: flow_max_in_flight must be >= 1 or null"),
     ("decoupled: {encoder: {dp: 3}, backbone: {pp: 1, dp: 2}}",
      "decoupled: encoder.dp 3 (encoder replicas in the job) does not split over backbone.dp 2"),
     ("decoupled: [1, 2]", "decoupled: expected a mapping"),
     ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}}\nregions: []",
      "a layout file holds one of regions:, vlm:, decoupled:; this one has regions: and decoupled:"),
 ], ids=["unknown-key", "unknown-nested-key", "missing-encoder", "missing-pp", "wrong-type", "bool-is-not-int",
-        "encoder-dp-0", "pp-0", "in-flight-0", "encoder-split", "not-a-mapping", "two-forms"])
+        "encoder-dp-0", "pp-0", "in-flight-0", "flow-in-flight-0", "encoder-split", "not-a-mapping", "two-forms"])
 def test_a_bad_decoupled_form_names_the_file_and_the_field(tmp_path, text, message):
     from mindspeed_flow.runtime.layout import load_decoupled
 

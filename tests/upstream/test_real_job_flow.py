@@ -13,6 +13,13 @@ embeddings by key and, for a trainable ViT, puts each sample's gradient back.
   iterations; the LLM's first stage is fed the co-located ``--use-flowtrain`` PP=2 run's
   packs, the encoder rank the same samples, each once per iteration, in batches that are not
   those packs; the pools are gone after.
+- The same with a frozen ViT: its encoder rank runs ahead into the next step (it encodes and
+  puts step ``n+1``'s samples during step ``n``, never after the last step); the LLM's first
+  stage is fed the packs of the trainable ViT's run (which encodes within the step), every
+  sample reaches the encoder once.  Saved
+  at K with the encoder ahead and resumed to ITERS: losses and every backbone rank's fed
+  samples bit for bit as uninterrupted; what was encoded ahead at K is encoded again after the
+  resume (the checkpoint holds the trained step's loader position).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ FLOW_LAYOUT_FILE = HERE / "flow_layout.yaml"
 # patches (harness.sample_specs), so the encoder's batches are [0] and [1, 2] while the LLM's
 # microbatches are [0], [1], [2] (one sample each, as the driver feeds them).
 ONE_STEP_BATCH_PATCHES = 48
+AHEAD_LOG = re.compile(r"mindspeed-flow flow: step (\d+): ran ahead into step (\d+): (\d+) of (\d+) batches")
+FROZEN_VIT = (("image_encoder.vision_encoder.freeze", True), ("image_encoder.vision_projector.freeze", True))
 FLOW_LOG = re.compile(r"mindspeed-flow flow: step (\d+): LLM microbatches (\[.*?\]\]), encoder batches (\[.*?\]\])")
 
 
@@ -196,3 +205,75 @@ def test_pretrain_vlm_with_the_flow_resumes_bit_for_bit(real_jobs):
     for rank in range(3):
         assert {**_fed_by_iteration(first, rank), **_fed_by_iteration(second, rank)} == \
             _fed_by_iteration(whole, rank), rank
+
+
+def _ran_ahead(output: str) -> dict[int, tuple[int, int, int]]:
+    """Step -> (the step it ran ahead into, batches encoded ahead, this replica's batches of it)."""
+    return {int(step): (int(into), int(done), int(of)) for step, into, done, of in AHEAD_LOG.findall(output)}
+
+
+def _tags(batches: list[list[str]]) -> Counter:
+    return Counter(t for b in batches for t in b)
+
+
+@pytest.mark.timeout(1200)
+def test_pretrain_vlm_with_a_frozen_vit_runs_ahead_into_the_next_step(real_jobs):
+    """A frozen ViT (``vision_encoder.freeze``, ``vision_projector.freeze``) under the flow:
+    after each step but the last the encoder rank reads the next step's microbatches and
+    encodes all of its batches (the pool has room), so in iteration ``i`` its model is fed
+    iteration ``i + 1``'s samples (the first iteration: its own and the next one's; the last:
+    none); every sample reaches the encoder exactly once; the LLM's first stage is fed the
+    packs of the trainable ViT's flow run (which does not run ahead) in order, and the same
+    consumed samples; no pool is left.  (The MindSpeed-MM loop's frozen-ViT encoder rank has
+    a stub optimizer: its log runs, ``roles.training_log_wrapper``.)"""
+    from test_real_job import ITERS, assert_finished
+
+    run = real_jobs.run("flow_frozen_vit1_pp2", replace(_flow_job(), model_patch=FROZEN_VIT))
+    assert_finished(run)
+    ahead = _ran_ahead(run.output)
+    assert sorted(ahead) == list(range(ITERS - 1)), run.output[-3000:]  # not after the last step
+    assert all(into == step + 1 and done == of > 0 for step, (into, done, of) in ahead.items()), ahead
+    lockstep = real_jobs.run("flow_vit1_pp2", _flow_job())  # trainable ViT: encodes within the step
+    packs = _fed_by_iteration(run, 1)  # the LLM's first stage
+    assert packs == _fed_by_iteration(lockstep, 1)
+    its = sorted(packs)
+    assert len(its) == ITERS
+    encoder = {i: _tags(b) for i, b in _fed_by_iteration(run, 0).items()}
+    assert sorted(encoder) == its[:-1]  # the last step was encoded during the one before
+    assert encoder[its[0]] == _tags(packs[its[0]]) + _tags(packs[its[1]])
+    for i, nxt in zip(its[1:-1], its[2:]):
+        assert encoder[i] == _tags(packs[nxt]), i
+    assert sum(encoder.values(), Counter()) == sum((_tags(p) for p in packs.values()), Counter())
+    assert run.consumed == lockstep.consumed
+    assert sorted(groupings(run.output)) == list(range(ITERS))
+    assert_no_pool_left(run.output)
+
+
+@pytest.mark.timeout(1800)
+def test_pretrain_vlm_with_a_frozen_vit_ahead_at_the_save_resumes_bit_for_bit(real_jobs):
+    """Save at K and exit while the frozen ViT's encoder rank has encoded step K + 1's samples
+    ahead (logged), resume to ITERS: losses and consumed samples bit for bit as the
+    uninterrupted run; every backbone rank is fed the same samples in the same order (none
+    lost, none twice); the encoder rank encodes the samples it had encoded ahead again after
+    the resume (the checkpoint's loader position is the trained step's)."""
+    from test_real_job import ITERS, K, assert_finished
+
+    base = replace(_flow_job(), model_patch=FROZEN_VIT)
+    first = real_jobs.run("flow_frozen_vit1_pp2_save", replace(base, save="ckpt", save_interval=K, exit_interval=K))
+    assert_finished(first, last=K)
+    assert _ran_ahead(first.output)[K - 1][0] == K, first.output[-3000:]  # ahead into step K at the save
+    second = real_jobs.run("flow_frozen_vit1_pp2_resume", replace(base, load=str(first.workdir / "ckpt")))
+    assert_finished(second, first=K + 1, last=ITERS)
+    whole = real_jobs.run("flow_frozen_vit1_pp2", base)
+    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
+    assert {**first.consumed, **second.consumed} == whole.consumed
+    for rank in (1, 2):
+        assert {**_fed_by_iteration(first, rank), **_fed_by_iteration(second, rank)} == \
+            _fed_by_iteration(whole, rank), rank
+    packs = _fed_by_iteration(whole, 1)
+    its = sorted(packs)
+    encoded_ahead = _tags(packs[its[K]])  # iteration K + 1's samples (0-based its[K])
+    before, after = _fed_by_iteration(first, 0), _fed_by_iteration(second, 0)
+    assert _tags(before[its[K - 1]]) == encoded_ahead  # encoded ahead during iteration K, then saved
+    assert _tags(after[its[K]]) == encoded_ahead + _tags(packs[its[K + 1]])  # encoded again, and ahead again
+    assert not list((first.workdir / "ckpt").rglob("mp_rank_00/flow_loader_*.pt"))  # the encoder wrote none

@@ -109,9 +109,9 @@ def test_the_flow_switch_is_read_and_what_the_flow_does_not_run_is_refused_namin
     encoder batch size; a flow layout the real job does not run yet (here: two backbone
     replicas of two encoder replicas each, and TP 2) is refused at start-up naming the file and each reason."""
     path = layout_file(tmp_path, "decoupled: {encoder: {dp: 1}, backbone: {pp: 2}, flow: true, "
-                                 "flow_encoder_batch_patches: 64}")
+                                 "flow_encoder_batch_patches: 64, flow_max_in_flight: 6}")
     assert decoupled_layout(args("--flow-schedule-config", str(path), world_size=3)) == DecoupledLayout(
-        encoder_dp=1, backbone_pp=2, flow=True, flow_encoder_batch_patches=64)
+        encoder_dp=1, backbone_pp=2, flow=True, flow_encoder_batch_patches=64, flow_max_in_flight=6)
     assert not load_decoupled(layout_file(tmp_path, "decoupled: {encoder: {dp: 1}, backbone: {pp: 2}}")).flow
     wide = layout_file(tmp_path, "decoupled: {encoder: {dp: 4, tp: 2}, backbone: {dp: 2, pp: 2, tp: 2}, flow: true}")
     with pytest.raises(LayoutError) as refused:
