@@ -2,7 +2,8 @@
 
 Under the flow, an encoder rank encodes a step's samples in batches of its own
 (:func:`mindspeed_flow.flow.packed.group_packed`) and puts one pool entry per sample; the
-backbone keeps the loader's microbatches and takes each one's samples' embeddings by key.
+backbone keeps the loader's microbatches (or repacks them, below) and takes each one's
+samples' embeddings by key.
 Both sides read the same microbatches (the plugin's loader hands every rank of a slice its
 first stage's packs), so both cut them into the same samples here:
 
@@ -107,7 +108,18 @@ class StepBatches:
         self._places: dict[int, _Place] = {}
         self.loader_microbatches = [tuple(self._cut(m, batch, image_token_id))
                                     for m, batch in enumerate(self.loader_batches)]
-        self.batches, self.microbatches = self.loader_batches, self.loader_microbatches
+        self.microbatches = self.loader_microbatches
+        self._batches: list[dict] | None = self.loader_batches
+        self._multiple = 1
+
+    @property
+    def batches(self) -> list[dict]:
+        """The backbone's microbatches (joined on first use after :meth:`repack`: an encoder
+        rank, which only needs :meth:`encoder_input`, never joins them)."""
+        if self._batches is None:
+            keys = set().union(*(batch.keys() for batch in self.loader_batches))
+            self._batches = [self._join(m, group, self._multiple, keys) for m, group in enumerate(self.microbatches)]
+        return self._batches
 
     def encoder_input(self, metas: Sequence[SampleMeta]) -> dict[str, Any]:
         """The encoder's input for these samples (see the module)."""
@@ -152,10 +164,8 @@ class StepBatches:
         from its samples (:meth:`sample`) by the loader's join, padded to a multiple of
         ``multiple`` tokens as the loader pads its packs; a pack holds the keys the step's
         batches hold (``sample_ids`` only when they have them)."""
-        groups = [tuple(int(s) for s in group) for group in microbatches]
-        keys = set().union(*(batch.keys() for batch in self.loader_batches))
-        self.batches = [self._join(m, group, multiple, keys) for m, group in enumerate(groups)]
-        self.microbatches = groups
+        self.microbatches = [tuple(int(s) for s in group) for group in microbatches]
+        self._batches, self._multiple = None, multiple
 
     def _join(self, m: int, group: tuple[int, ...], multiple: int, keys: set) -> dict[str, Any]:
         if not group:

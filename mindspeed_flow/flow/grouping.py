@@ -10,8 +10,8 @@ the encoder's batches by the encoder's, so neither side inherits the other's gro
   few, as full microbatches as it can, which widens the pipeline's bubbles).  They are
   filled by the LLM's *cost*, not its tokens (heaviest sample first into the cheapest
   microbatch with room; best-fit's token packs, or a caller's ``candidates`` such as a job
-  loader's packs, are kept only when their busiest replica costs less), then dealt over the data-parallel replicas and ordered for the pipeline by
-  that cost (:func:`mindspeed_flow.packing.dispatch`: snake deal, swap repair, zig-zag
+  loader's packs, are kept only when their busiest replica costs less), then dealt over the
+  data-parallel replicas and ordered for the pipeline by that cost (:func:`mindspeed_flow.packing.dispatch`: snake deal, swap repair, zig-zag
   heavy/light order when ``pp > 1``).  Give ``llm_cost`` the model's fitted
   :class:`~mindspeed_flow.packing.CostModel` (``scripts/calibrate_cost_model.py``): with its
   ``sum l^2`` term, equal token counts are not equal work.

@@ -54,6 +54,11 @@ def assert_same_pack(got: dict, expected: dict) -> None:
             assert got[key] == value, key
 
 
+def repacked(step: StepBatches, groups, multiple: int = 1) -> list[dict]:
+    step.repack(groups, multiple)
+    return step.batches  # joined here, on first use
+
+
 @pytest.mark.parametrize("multiple", [1, 8])
 def test_regrouped_packs_are_the_loaders_packs_of_those_samples(multiple):
     """Loader packs ``[0, 1] [2, 3, 4]`` (the loader's join, padded to ``multiple``) regrouped
@@ -63,14 +68,12 @@ def test_regrouped_packs_are_the_loaders_packs_of_those_samples(multiple):
     step = StepBatches(0, packs, IMAGE_TOKEN_ID)
     assert step.loader_microbatches == [(0, 1), (2, 3, 4)]
     assert step.pad_id == (7 if multiple > 1 else None)
-    step.repack(step.loader_microbatches, multiple)
-    for got, expected in zip(step.batches, packs):
+    for got, expected in zip(repacked(step, step.loader_microbatches, multiple), packs):
         assert_same_pack(got, expected)
     groups = [(3, 0), (4,), (1, 2)]
-    step.repack(groups, multiple)
-    assert step.microbatches == groups and step.loader_batches == packs
-    for got, group in zip(step.batches, groups):
+    for got, group in zip(repacked(step, groups, multiple), groups):
         assert_same_pack(got, collate_pack([SAMPLES[i] for i in group], multiple, pad_id=7))
+    assert step.microbatches == groups and step.loader_batches == packs
     assert step.batches[0]["position_ids"].shape[:2] == (3, 1)
 
 
@@ -94,12 +97,11 @@ def test_the_real_loaders_packs_cut_and_joined_again_are_bit_for_bit_the_same(lo
     loader, packs = loader_packs
     step = StepBatches(0, packs, loader.special.image_pad)
     assert len(step.metas) > len(packs)  # several samples a pack: the regrouping has something to do
-    step.repack(step.loader_microbatches, loader.pad_multiple)
-    for got, expected in zip(step.batches, packs):
+    for got, expected in zip(repacked(step, step.loader_microbatches, loader.pad_multiple), packs):
         assert_same_pack(got, expected)
     moved = [tuple(reversed(mb)) for mb in reversed(step.loader_microbatches)]
-    step.repack(moved, loader.pad_multiple)
-    assert [b["sample_ids"] for b in step.batches] == [list(reversed(p["sample_ids"])) for p in reversed(packs)]
+    assert [b["sample_ids"] for b in repacked(step, moved, loader.pad_multiple)] == \
+        [list(reversed(p["sample_ids"])) for p in reversed(packs)]
     for batch in step.batches:
         assert batch["input_ids"].shape[1] % loader.pad_multiple == 0
 
@@ -118,14 +120,18 @@ def test_the_repacking_keeps_to_the_packing_loaders_capacity_cost_model_and_pad_
 
 
 def test_a_batch_that_is_not_a_loader_pack_is_refused_naming_it():
+    """Refused when the new packs are joined (a backbone rank's first use of ``batches``;
+    an encoder rank never joins them)."""
     pack = collate_pack(SAMPLES[:2])
     unpacked = {k: v for k, v in pack.items() if k not in ("cu_seqlens", "position_ids", "sample_ids")}
     step = StepBatches(2, [pack, unpacked], IMAGE_TOKEN_ID)
+    step.repack([(0, 2), (1,)])
+    assert step.microbatches == [(0, 2), (1,)]
     with pytest.raises(SampleError, match="flow step 2 microbatch 1: cannot regroup a batch that is not a pack"):
-        step.repack([(0, 2), (1,)])
+        step.batches
     extra = {**pack, "video_grid_thw": torch.zeros(0, 3)}
     with pytest.raises(SampleError, match=r"microbatch 0: cannot regroup a batch with \['video_grid_thw'\]"):
-        StepBatches(0, [extra], IMAGE_TOKEN_ID).repack([(1, 0)])
+        repacked(StepBatches(0, [extra], IMAGE_TOKEN_ID), [(1, 0)])
     unpadded = StepBatches(0, [pack], IMAGE_TOKEN_ID)  # no padded pack: the pad token is unknown
     with pytest.raises(SampleError, match="needs padding to a multiple of 64 tokens"):
-        unpadded.repack([(1, 0)], multiple=64)
+        repacked(unpadded, [(1, 0)], multiple=64)
