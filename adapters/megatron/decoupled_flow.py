@@ -9,7 +9,9 @@ encode exactly LLM microbatch ``m`` and put it whole.  Under the flow, one step 
   :func:`~mindspeed_flow.flow.packed.group_packed` keeps the microbatches as the backbone's
   and cuts the samples with images, in the order the backbone needs them, into the
   encoder's batches by the encoder's own cost (ViT patches, ``flow_encoder_batch_patches``
-  per batch): the two groupings differ;
+  per batch): the two groupings differ; with ``flow_repack`` the backbone's microbatches are
+  made by the flow's scheduler instead, from the samples by the LLM's cost model (:func:`repack`:
+  :func:`~mindspeed_flow.flow.group_step`), each joined as the loader joins a pack;
 - the encoder rank is an :class:`~mindspeed_flow.flow.EmbeddingProducer`: it runs MindSpeed-MM's
   ``forward_step`` on each of its batches (the ViT + projector of ``VLMModel``) and puts one
   pool entry per sample (``flow/step<n>/act/<id>``); a trainable ViT then takes each
@@ -73,7 +75,8 @@ def check_supported(layout: Any, args: Any = None, source: str = "the decoupled 
     """Refuse (:class:`LayoutError`, naming ``source`` and each reason) a flow layout this
     version does not run: several backbone replicas with several encoder replicas each,
     tensor parallelism in either role (untensored ranks are what is checked in Megatron's
-    job), virtual pipeline stages."""
+    job), virtual pipeline stages; and ``flow_repack`` without ``--calculate-per-token-loss``
+    (given ``args``)."""
     reasons = []
     if layout.backbone_dp > 1 and layout.encoder_dp > 1:
         reasons.append(f"backbone dp {layout.backbone_dp} with {layout.encoder_dp} encoder replicas per slice (the "
@@ -85,6 +88,11 @@ def check_supported(layout: Any, args: Any = None, source: str = "the decoupled 
         reasons.append("virtual pipeline stages (the backbone runs one model chunk per rank)")
     if reasons:
         raise LayoutError(f"{source}: decoupled.flow does not run here yet: " + "; ".join(reasons))
+    if layout.flow_repack and args is not None and not getattr(args, "calculate_per_token_loss", False):
+        raise LayoutError(f"{source}: decoupled.flow_repack regroups each step's samples into other LLM microbatches "
+                          "than the loader's packs, which trains the same loss and gradients only with "
+                          "--calculate-per-token-loss (a microbatch's mean loss weighs each token by its "
+                          "microbatch's token count); add --calculate-per-token-loss or drop flow_repack")
 
 
 def image_token_id() -> int:
@@ -102,7 +110,9 @@ def image_token_id() -> int:
 
 
 def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[Any, Any]:
-    """This step's samples and grouping, from its ``num_microbatches`` microbatches (read now)."""
+    """This step's samples and grouping, from its ``num_microbatches`` microbatches (read now):
+    the loader's packs as the backbone's microbatches, or with ``flow_repack`` new ones
+    (:func:`repack`)."""
     from mindspeed_flow.adapters.mindspeed_mm.flow_batches import StepBatches
     from mindspeed_flow.flow import EncoderCost
     from mindspeed_flow.flow.packed import group_packed
@@ -110,10 +120,36 @@ def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[An
     batches = [next(iterator) for _ in range(num_microbatches)]
     samples = StepBatches(FLOW.steps, batches, image_token_id())
     FLOW.steps += 1
-    grouping = group_packed(samples.metas, samples.microbatches, encoder_cost=EncoderCost(linear=1.0),
-                            encoder_budget=float(layout.flow_encoder_batch_patches),
-                            encoder_replicas=layout.encoder_dp, pp=layout.backbone_pp)
-    return samples, grouping
+    encoder = {"encoder_cost": EncoderCost(linear=1.0), "encoder_budget": float(layout.flow_encoder_batch_patches),
+               "encoder_replicas": layout.encoder_dp, "pp": layout.backbone_pp}
+    if layout.flow_repack:
+        return samples, repack(samples, iterator, encoder)
+    return samples, group_packed(samples.metas, samples.microbatches, **encoder)
+
+
+def repack(samples: Any, iterator: Any, encoder: dict) -> Any:
+    """The step's samples packed again into as many LLM microbatches as the loader made
+    (Megatron's count for the step): best-fit and filled by the job's packing loader's cost
+    model (its ``sum l^2`` term), the loader's own packs weighed as one more candidate (so the
+    step is never dearer than the loader's by that model, and a step the greedy fill cannot
+    fit keeps them), dealt zig-zag over the slice's pipeline stages
+    (:func:`~mindspeed_flow.flow.group_step`; one backbone replica: slices do not exchange
+    samples), each pack joined as the loader joins one
+    (:meth:`~mindspeed_flow.adapters.mindspeed_mm.flow_batches.StepBatches.repack`).  Every
+    rank of the slice holds the same samples and makes the same packs."""
+    from megatron.training import get_args
+
+    from mindspeed_flow.adapters.mindspeed_mm.flow_batches import pack_settings
+    from mindspeed_flow.flow import group_step
+
+    settings = pack_settings(iterator, get_args().seq_length)
+    loader_packs = [list(mb) for mb in samples.microbatches]
+    grouping = group_step(samples.metas, capacity=settings.capacity, llm_cost=settings.cost_model,
+                          microbatches=len(loader_packs), candidates=[loader_packs], **encoder)
+    samples.repack(grouping.microbatches, settings.multiple)
+    log.info("mindspeed-flow flow: step %d: the loader's packs %s repacked into LLM microbatches %s (sample ids)",
+             samples.step, loader_packs, [list(mb) for mb in grouping.microbatches])
+    return grouping
 
 
 def encoder_step(layout: Any, iterator: Any, num_microbatches: int, *, forward_only: bool) -> tuple[Any, Any]:
@@ -229,9 +265,10 @@ def sum_replica_grads(model: Any, group: Any) -> None:
 
 def consume(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *, stage: int,
             trainable: bool, timeout_s: float, run: Callable[..., Any]) -> Any:
-    """A backbone stage's step: its pipeline's 1F1B over the loader's microbatches, the first
-    stage's embeddings taken per sample from the pool.  ``run(plan, forward_step, bindings)``
-    runs the executor (the caller holds Megatron's gradient-sync contract); returns its result."""
+    """A backbone stage's step: its pipeline's 1F1B over the step's microbatches (the loader's
+    packs, or :func:`repack`'s), the first stage's embeddings taken per sample from the pool.
+    ``run(plan, forward_step, bindings)`` runs the executor (the caller holds Megatron's
+    gradient-sync contract); returns its result."""
     from mindspeed_flow.flow import EmbeddingConsumer, backbone_plan, stage_feed
     from mindspeed_flow.runtime import Binding
     from mindspeed_flow.runtime.step import set_input_tensor

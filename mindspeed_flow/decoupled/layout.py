@@ -78,6 +78,10 @@ class DecoupledLayout:
         flow_max_in_flight: under ``flow``, a frozen encoder replica's pool entries put and
             not yet taken, at most, when it runs ahead into the next step (``None``: the
             pool's capacity alone bounds it; it never runs more than one step ahead).
+        flow_repack: under ``flow``, the backbone's microbatches are made by the flow's scheduler
+            from the step's samples (best-fit by the LLM's cost model, the job's microbatch count,
+            zig-zag over the pipeline stages: :func:`mindspeed_flow.flow.group_step`) instead
+            of being the data loader's packs.
     """
 
     encoder_dp: int = 1
@@ -91,6 +95,7 @@ class DecoupledLayout:
     flow: bool = False
     flow_encoder_batch_patches: int = 1024
     flow_max_in_flight: int | None = None
+    flow_repack: bool = False
 
     def __post_init__(self) -> None:
         sizes = {name: getattr(self, name) for name in ("encoder_dp", "encoder_tp", "backbone_pp", "backbone_tp",
@@ -104,6 +109,8 @@ class DecoupledLayout:
         if self.flow_max_in_flight is not None and self.flow_max_in_flight < 1:
             raise LayoutError(f"DecoupledLayout: flow_max_in_flight must be >= 1 or None, got "
                               f"{self.flow_max_in_flight}")
+        if self.flow_repack and not self.flow:
+            raise LayoutError("DecoupledLayout: flow_repack regroups the flow's samples: it needs flow")
 
     # ------------------------------------------------------------------ placement
 

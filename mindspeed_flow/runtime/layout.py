@@ -139,12 +139,15 @@ class _DecoupledSection:
     flow: bool = False  # FlowTrain's flow: per-sample pool entries, encoder batches of its own
     flow_encoder_batch_patches: int = DecoupledLayout.__dataclass_fields__["flow_encoder_batch_patches"].default
     flow_max_in_flight: Optional[int] = None  # a frozen encoder's entries ahead, at most (null: the pool's room)
+    flow_repack: bool = False  # the LLM's microbatches made from the step's samples, not the loader's packs
 
     def __post_init__(self) -> None:
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ScheduleError(f"max_in_flight must be >= 1 or null (unbounded), got {self.max_in_flight}")
         if self.flow_max_in_flight is not None and self.flow_max_in_flight < 1:
             raise ScheduleError(f"flow_max_in_flight must be >= 1 or null (unbounded), got {self.flow_max_in_flight}")
+        if self.flow_repack and not self.flow:
+            raise ScheduleError("flow_repack: true regroups the flow's samples: it needs flow: true")
         if self.encoder.dp % self.backbone.dp:
             raise ScheduleError(f"encoder.dp {self.encoder.dp} (encoder replicas in the job) does not split over "
                                 f"backbone.dp {self.backbone.dp}: every backbone replica needs as many")
@@ -160,6 +163,7 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
           flow: true                       # optional: FlowTrain's flow instead of the lockstep plan
           flow_encoder_batch_patches: 1024 # optional: ViT patches per encoder batch under the flow
           flow_max_in_flight: 64           # optional: a frozen ViT's entries ahead of the backbone (null: the pool's room)
+          flow_repack: true                # optional: the LLM's microbatches repacked from the samples (group_step)
 
     The layer counts are the model's (:meth:`~mindspeed_flow.decoupled.DecoupledLayout.with_layers`).
     A typo, a wrong type, a size below one or an encoder that does not split over the
@@ -174,7 +178,7 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
                                backbone_pp=spec.backbone.pp, backbone_tp=spec.backbone.tp,
                                backbone_dp=spec.backbone.dp, max_ahead=spec.max_in_flight, flow=spec.flow,
                                flow_encoder_batch_patches=spec.flow_encoder_batch_patches,
-                               flow_max_in_flight=spec.flow_max_in_flight)
+                               flow_max_in_flight=spec.flow_max_in_flight, flow_repack=spec.flow_repack)
     except LayoutError as exc:  # the section's own checks come first; this is a safety net
         raise ScheduleError(f"{path}: decoupled: {exc}") from None
 

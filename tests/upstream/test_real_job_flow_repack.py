@@ -1,0 +1,113 @@
+"""The decoupled flow in MindSpeed-MM's job with ``flow_repack: true`` (issue 23, "the backbone's
+scheduler packs them into microbatches"): every rank of a slice cuts the packing loader's
+packs of the step into samples and packs them again by the LLM's cost model into as many
+microbatches, zig-zag over the pipeline (``adapters/megatron/decoupled_flow.py::repack``),
+each joined as the loader joins a pack.
+
+- One step (``decoupled_driver.py``, MindSpeed-MM's real Qwen2.5-VL, fp32, ViT rank + LLM
+  PP=2, from upstream's initial weights, per-token loss): the loader's packs ``[0, 2] [1]``
+  become ``[0, 1] [2]`` (the fill balances the LLM's cost); the loss and every gradient by
+  global name equal upstream's co-located single-process step within
+  ``test_vlm_equivalence``'s fp32 bounds.
+- ``pretrain_vlm.py`` itself, started as users start it, with ``flow_repack_layout.yaml`` and
+  ``--calculate-per-token-loss``: a few iterations with finite losses; both LLM stages are
+  fed the same repacked microbatches, which differ from the loader's packs in some step;
+  every sample of every step reaches the LLM's first stage exactly once (as it reaches the
+  encoder rank); no pool is left.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from harness import Job, sample_specs
+from test_real_job_decoupled import assert_equals_upstream, assert_no_pool_left, assert_roles, run_decoupled
+from test_real_job_flow import _fed_by_iteration, one_step_layout
+
+HERE = Path(__file__).resolve().parent
+REPACK_LAYOUT_FILE = HERE / "flow_repack_layout.yaml"
+REPACK_LOG = re.compile(r"mindspeed-flow flow: step (\d+): the loader's packs (\[.*?\]\]) repacked into "
+                        r"LLM microbatches (\[.*?\]\])")
+ITERS = 4
+
+
+def as_sets(groups: list[list[int]]) -> set[frozenset]:
+    return {frozenset(g) for g in groups}
+
+
+def test_repacked_flow_step_equals_upstream(runs, tmp_path):
+    """The driver hands every rank of the slice the packs ``[0, 2] [1]`` (27 + 27, 22 tokens);
+    the flow packs the samples again into 2 microbatches, ``[0, 1] [2]`` (its dearest
+    microbatch is cheaper than the loader's), on every rank; the loss and every gradient
+    equal upstream's step over the 3 samples."""
+    plain = runs.get("fp32_plain")
+    job = Job(samples=sample_specs(3), precision="fp32", flash_attn=True, pp=2,
+              extra_args=("--global-batch-size", "2"))  # Megatron's microbatches: the 2 packs
+    layout = {**one_step_layout(), "flow_repack": True}
+    results = run_decoupled(job, layout, tmp_path / "flow_repack", plain.initial_weights, "shm", packs=[[0, 2], [1]])
+    assert_roles(results, layout, "shm")
+    assert [r["megatron_microbatches"] for r in results if r["region"] == "llm"] == [2, 2]
+    assert_equals_upstream(plain, results)
+    groupings = {json.dumps(r["flow"]["microbatches"]) for r in results}
+    assert len(groupings) == 1, groupings  # every rank of the slice made the same microbatches
+    # the flow numbers the step's samples by their packs' segments: the packs [0, 2] [1] hold ids
+    # [0, 1] [2], and [0, 1] [2] of the driver's samples are ids [0, 2] [1]
+    assert as_sets(json.loads(groupings.pop())) == {frozenset({0, 2}), frozenset({1})}
+
+
+def _repacks(output: str) -> dict[int, tuple[list, list]]:
+    """Step -> (the loader's packs, the repacked LLM microbatches), as every rank logged them
+    (sample ids: a pack's segments, numbered in the step); every rank logged the same."""
+    found: dict[int, set] = {}
+    for step, packs, microbatches in REPACK_LOG.findall(output):
+        found.setdefault(int(step), set()).add((packs, microbatches))
+    assert all(len(v) == 1 for v in found.values()), found
+    return {step: tuple(json.loads(x) for x in next(iter(v))) for step, v in found.items()}
+
+
+@pytest.mark.timeout(1200)
+def test_pretrain_vlm_with_repacked_llm_microbatches(real_jobs):
+    """``pretrain_vlm.py --use-flowtrain --flow-schedule-config flow_repack_layout.yaml
+    --calculate-per-token-loss`` on 3 ranks: ITERS iterations with finite losses; the three
+    ranks logged the same repacking of every step (the loader's packs weighed with the others:
+    a step the fill cannot fit keeps them); the LLM's two stages are fed the same
+    microbatches, of the repacked groups' sizes; in some step they are not the loader's packs;
+    in every iteration the LLM's first stage gets each of the step's samples exactly as often
+    as the encoder rank (once, but for a sample drawn twice at an epoch's end)."""
+    from realjob import RealJob
+    from test_real_job import FLOW, PER_TOKEN, assert_finished
+
+    run = real_jobs.run("flow_repack_vit1_pp2", RealJob(
+        pp=2, world_size=3, iters=ITERS, extra_args=PER_TOKEN, timeout_s=600,
+        plugin=FLOW + ("--flow-schedule-config", str(REPACK_LAYOUT_FILE))))
+    assert_finished(run, last=ITERS)
+    repacks = _repacks(run.output)
+    assert sorted(repacks) == list(range(ITERS)), run.output[-3000:]
+    for step, (packs, microbatches) in repacks.items():
+        ids = sorted(s for mb in microbatches for s in mb)
+        assert ids == sorted(s for p in packs for s in p) == list(range(len(ids))), step  # each sample once
+        assert len(microbatches) == len(packs), step
+    assert [s for s, (packs, mbs) in repacks.items() if as_sets(packs) != as_sets(mbs)], \
+        "the LLM's microbatches were the loader's packs in every step"
+    first, last, encoder = (_fed_by_iteration(run, rank) for rank in (1, 2, 0))
+    assert first == last  # both stages built the same microbatches
+    assert sorted(first) == sorted(encoder) and len(first) == ITERS
+    segments = _segments_by_iteration(run, 1)
+    for (step, (_, microbatches)), i in zip(sorted(repacks.items()), sorted(first)):
+        assert Counter(t for b in first[i] for t in b) == Counter(t for b in encoder[i] for t in b), i
+        assert segments[i] == [len(mb) for mb in microbatches], i
+    assert_no_pool_left(run.output)
+
+
+def _segments_by_iteration(run, rank: int) -> dict[int, list[int]]:
+    """Iteration -> the segments (samples) of each training batch ``rank``'s model got, in order."""
+    found: dict[int, list[int]] = {}
+    for b in run.batches:
+        if b.get("rank") == rank and b.get("training"):
+            found.setdefault(b["iteration"], []).append(sum(len(row) for row in b["rows"]))
+    return found
