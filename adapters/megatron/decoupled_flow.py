@@ -160,9 +160,9 @@ def encoder_step(layout: Any, iterator: Any, num_microbatches: int, *, forward_o
     if FLOW.ahead is None:
         return step_grouping(layout, iterator, num_microbatches)
     (samples, grouping), FLOW.ahead = FLOW.ahead, None
-    if forward_only or len(samples.batches) != num_microbatches:
+    if forward_only or len(samples.microbatches) != num_microbatches:
         raise StreamError(f"decoupled.flow: the encoder ran ahead into step {samples.step} "
-                          f"({len(samples.batches)} microbatches, training), but the job's next call is "
+                          f"({len(samples.microbatches)} microbatches, training), but the job's next call is "
                           f"{'an evaluation' if forward_only else 'a training step'} of {num_microbatches} "
                           "microbatches (next_is_training_step foresaw it wrong)")
     return samples, grouping

@@ -147,7 +147,7 @@ def group_step(
             (it is greedy); then the candidates are all there is to choose from.
     """
     samples = tuple(samples)
-    step = _check_samples(samples, capacity)
+    step = _check_samples("group_step", samples, capacity)
     _check_sizes("group_step", encoder_budget, encoder_replicas=encoder_replicas, dp=dp, pp=pp)
     if microbatches is not None and (microbatches < 1 or microbatches % dp):
         raise GroupingError(f"group_step: microbatches={microbatches} is not a positive multiple of dp={dp}")
@@ -175,19 +175,20 @@ def _check_sizes(caller: str, encoder_budget: float, **sizes: int) -> None:
         raise GroupingError(f"{caller}: encoder_budget must be > 0, got {encoder_budget}")
 
 
-def _check_samples(samples: Sequence[SampleMeta], capacity: int) -> int:
-    """The step the samples belong to; refuses none, mixed steps, repeated ids, overlong."""
+def _check_samples(caller: str, samples: Sequence[SampleMeta], capacity: int) -> int:
+    """The step the samples belong to; refuses (naming ``caller``) none, mixed steps,
+    repeated ids, overlong."""
     if not samples:
-        raise GroupingError("group_step: the step has no samples")
+        raise GroupingError(f"{caller}: the step has no samples")
     step, ids = samples[0].step, set()
     for s in samples:
         if s.step != step:
-            raise GroupingError(f"group_step: sample {s.sample_id} belongs to step {s.step}, not step {step}")
+            raise GroupingError(f"{caller}: sample {s.sample_id} belongs to step {s.step}, not step {step}")
         if s.sample_id in ids:
-            raise GroupingError(f"group_step: sample {s.sample_id} appears twice in step {step}")
+            raise GroupingError(f"{caller}: sample {s.sample_id} appears twice in step {step}")
         ids.add(s.sample_id)
         if s.llm_tokens > capacity:
-            raise GroupingError(f"group_step: sample {s.sample_id} has {s.llm_tokens} LLM tokens, more than a "
+            raise GroupingError(f"{caller}: sample {s.sample_id} has {s.llm_tokens} LLM tokens, more than a "
                                 f"microbatch's capacity of {capacity}")
     return step
 

@@ -34,7 +34,7 @@ def group_packed(
     microbatch (:meth:`FlowGrouping.check`, naming the sample)."""
     samples = tuple(samples)
     capacity = max((s.llm_tokens for s in samples), default=1)
-    step = _check_samples(samples, capacity)
+    step = _check_samples("group_packed", samples, capacity)
     _check_sizes("group_packed", encoder_budget, encoder_replicas=encoder_replicas, pp=pp)
     groups = tuple(tuple(int(s) for s in mb) for mb in microbatches)
     by_id = {s.sample_id: s for s in samples}

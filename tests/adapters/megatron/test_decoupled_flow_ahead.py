@@ -41,7 +41,7 @@ class HeldStep:
     """A step's samples as :func:`decoupled_flow.run_ahead` holds them (its microbatches)."""
 
     def __init__(self, step: int, microbatches: int) -> None:
-        self.step, self.batches = step, [{}] * microbatches
+        self.step, self.microbatches = step, [()] * microbatches
 
 
 @pytest.mark.parametrize("forward_only, microbatches, wanted", [
