@@ -14,6 +14,15 @@ each joined as the loader joins a pack.
   fed the same repacked microbatches, which differ from the loader's packs in some step;
   every sample of every step reaches the LLM's first stage exactly once (as it reaches the
   encoder rank); no pool is left.
+- The two flow features together: ``flow_repack`` with a frozen ViT, whose encoder rank runs
+  ahead into the next step (it repacks that step too), ``RESUME_ITERS`` iterations.  The
+  uninterrupted run repacks every step as the trainable ViT's run above (which does not run
+  ahead) and feeds the LLM the same samples in the same microbatches.  Saved at ``RESUME_K``
+  with the encoder ahead (logged: it had read, repacked and encoded step ``RESUME_K + 1``) and
+  resumed to the end: losses, consumed samples, both LLM stages' fed samples per iteration
+  and every step's logged repacking bit for bit as uninterrupted; the samples encoded ahead
+  at the save are encoded again after the resume, and every sample the LLM is fed after the
+  resume was encoded after it (none lost, none fed twice).
 """
 
 from __future__ import annotations
@@ -21,19 +30,21 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harness import Job, sample_specs
 from test_real_job_decoupled import assert_equals_upstream, assert_no_pool_left, assert_roles, run_decoupled
-from test_real_job_flow import _fed_by_iteration, one_step_layout
+from test_real_job_flow import FROZEN_VIT, _fed_by_iteration, _ran_ahead, _tags, one_step_layout
 
 HERE = Path(__file__).resolve().parent
 REPACK_LAYOUT_FILE = HERE / "flow_repack_layout.yaml"
 REPACK_LOG = re.compile(r"mindspeed-flow flow: step (\d+): the loader's packs (\[.*?\]\]) repacked into "
                         r"LLM microbatches (\[.*?\]\])")
 ITERS = 4
+RESUME_ITERS, RESUME_K = ITERS, 2  # the frozen ViT's runs: as many iterations as the trainable one's, saved at K
 
 
 def as_sets(groups: list[list[int]]) -> set[frozenset]:
@@ -79,12 +90,9 @@ def test_pretrain_vlm_with_repacked_llm_microbatches(real_jobs):
     microbatches, of the repacked groups' sizes; in some step they are not the loader's packs;
     in every iteration the LLM's first stage gets each of the step's samples exactly as often
     as the encoder rank (once, but for a sample drawn twice at an epoch's end)."""
-    from realjob import RealJob
-    from test_real_job import FLOW, PER_TOKEN, assert_finished
+    from test_real_job import assert_finished
 
-    run = real_jobs.run("flow_repack_vit1_pp2", RealJob(
-        pp=2, world_size=3, iters=ITERS, extra_args=PER_TOKEN, timeout_s=600,
-        plugin=FLOW + ("--flow-schedule-config", str(REPACK_LAYOUT_FILE))))
+    run = real_jobs.run("flow_repack_vit1_pp2", _repack_job())
     assert_finished(run, last=ITERS)
     repacks = _repacks(run.output)
     assert sorted(repacks) == list(range(ITERS)), run.output[-3000:]
@@ -111,3 +119,74 @@ def _segments_by_iteration(run, rank: int) -> dict[int, list[int]]:
         if b.get("rank") == rank and b.get("training"):
             found.setdefault(b["iteration"], []).append(sum(len(row) for row in b["rows"]))
     return found
+
+
+def _repack_job():
+    """``pretrain_vlm.py`` with ``flow_repack_layout.yaml`` and per-token loss, ITERS iterations (3 ranks)."""
+    from realjob import RealJob
+    from test_real_job import FLOW, PER_TOKEN
+
+    return RealJob(pp=2, world_size=3, iters=ITERS, extra_args=PER_TOKEN, timeout_s=600,
+                   plugin=FLOW + ("--flow-schedule-config", str(REPACK_LAYOUT_FILE)))
+
+
+@pytest.mark.timeout(1800)
+def test_pretrain_vlm_repacking_with_a_frozen_vit_ahead_at_the_save_resumes_bit_for_bit(real_jobs):
+    """``flow_repack`` and a frozen ViT (``FROZEN_VIT``) together.  Uninterrupted: after every
+    step but the last the encoder rank runs ahead into the next one, repacking it as the slice's
+    LLM ranks do when they reach it; every step is repacked and the LLM fed exactly as in the
+    trainable ViT's repacking run (no run ahead).  Saved at K while the encoder had read,
+    repacked and encoded step K + 1 (0-based step K), resumed to the end: losses, consumed
+    samples, both LLM stages' fed samples per iteration and every step's repacking (the
+    resumed job numbers its steps from 0 again) bit for bit as uninterrupted; the encoder
+    rank's ahead repacking at the save is the resumed step's; the samples it encoded ahead at
+    K are encoded again after the resume; after the resume the encoder is fed exactly the
+    samples the LLM is fed (none lost, none twice), before it those plus the ones encoded
+    ahead at the save."""
+    from test_real_job import assert_finished
+
+    iters, k = RESUME_ITERS, RESUME_K
+    base = replace(_repack_job(), iters=iters, model_patch=FROZEN_VIT)
+    whole = real_jobs.run("flow_repack_frozen_vit1_pp2", base)
+    assert_finished(whole, last=iters)
+    ahead = _ran_ahead(whole.output)
+    assert sorted(ahead) == list(range(iters - 1)), whole.output[-3000:]  # ran ahead after every step but the last
+    assert all(into == step + 1 and done == of > 0 for step, (into, done, of) in ahead.items()), ahead
+    repacks = _repacks(whole.output)
+    assert sorted(repacks) == list(range(iters)), whole.output[-3000:]
+    trainable = real_jobs.run("flow_repack_vit1_pp2", _repack_job())  # encodes within the step
+    assert repacks == _repacks(trainable.output)  # run ahead or not, each step repacked the same
+    assert [s for s, (packs, mbs) in repacks.items() if as_sets(packs) != as_sets(mbs)], \
+        "the LLM's microbatches were the loader's packs in every step"
+    for rank in (1, 2):
+        assert _fed_by_iteration(whole, rank) == _fed_by_iteration(trainable, rank), rank
+
+    first = real_jobs.run("flow_repack_frozen_vit1_pp2_save", replace(base, save="ckpt", save_interval=k,
+                                                                      exit_interval=k))
+    assert_finished(first, last=k)
+    assert _ran_ahead(first.output)[k - 1][0] == k, first.output[-3000:]  # ahead into step k at the save
+    second = real_jobs.run("flow_repack_frozen_vit1_pp2_resume", replace(base, load=str(first.workdir / "ckpt")))
+    assert_finished(second, first=k + 1, last=iters)
+    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
+    assert {**first.consumed, **second.consumed} == whole.consumed
+    for rank in (1, 2):
+        assert {**_fed_by_iteration(first, rank), **_fed_by_iteration(second, rank)} == \
+            _fed_by_iteration(whole, rank), rank
+    before, after = _repacks(first.output), _repacks(second.output)
+    assert sorted(before) == list(range(k + 1)) and sorted(after) == list(range(iters - k))
+    assert before[k] == after[0]  # the step repacked ahead at the save is repacked again, the same
+    assert {**before, **{k + s: r for s, r in after.items()}} == repacks
+
+    packs = _fed_by_iteration(whole, 1)  # the LLM's first stage, by iteration
+    its = sorted(packs)
+    encoded_ahead = _tags(packs[its[k]])  # iteration K + 1's samples (0-based its[k])
+    enc_before, enc_after = _fed_by_iteration(first, 0), _fed_by_iteration(second, 0)
+    assert _tags(enc_before[its[k - 1]]) == encoded_ahead  # encoded ahead during iteration K, then saved
+    assert _tags(enc_after[its[k]]) == encoded_ahead + _tags(packs[its[k + 1]])  # encoded again, and ahead again
+
+    def total(fed: dict) -> Counter:
+        return sum((_tags(b) for b in fed.values()), Counter())
+
+    fed_after = {i: b for i, b in packs.items() if i in its[k:]}
+    assert total(enc_after) == total(fed_after)  # after the resume: every sample the LLM got, encoded once
+    assert total(enc_before) == total({i: b for i, b in packs.items() if i in its[:k]}) + encoded_ahead
