@@ -18,7 +18,8 @@ With ``--flow-packing``:
   on the lowest rank of the model-parallel group (first pipeline stage, TP rank 0), the
   batches handed to the other TP/PP ranks one step at a time, packs ordered per step for
   ``pp_size`` stages.  After a checkpoint load
-  (``args.iteration > 0``) the loader resumes from the state saved beside that checkpoint.
+  (``args.iteration > 0``) the loader resumes from the state saved beside that checkpoint
+  (:mod:`.loader_state`).
 - ``build_iterations`` wraps it in :class:`FlowTrainIterator`: epochs one after the other,
   each microbatch recorded for the consumed-samples accounting
   (:mod:`mindspeed_flow.data.accounting`).  Under ``pretrain_transformers.py`` (MindSpeed-MM's
@@ -34,13 +35,9 @@ With ``--flow-packing``:
   loaders once per chunk: the later chunks get the first chunk's loader back and a
   :class:`~mindspeed_flow.data.handoff.ChunkView` of its iterator (the step's batches again,
   as upstream's per-chunk copies of one loader yield them), so nothing is decoded twice.
-- ``save_checkpoint`` also writes each decoding rank's loader state,
-  ``flow_loader_dprank{DP:03d}.pt`` in the checkpoint's directory (Megatron's
-  ``get_checkpoint_name`` layout).  Under a decoupled layout an encoder rank decodes its
-  slice's packs too, but only the slice's first backbone stage writes them: its position is
-  the trained step's, while a frozen ViT's encoder rank under the flow has read the next
-  step's microbatches already (it runs ahead); on resume the encoder rank loads that stage's
-  file (:func:`loader_state_to_load`), so what it had encoded ahead is read and encoded again.
+- ``save_checkpoint`` also writes each decoding rank's loader state beside the checkpoint:
+  where it lies, which file a rank of a decoupled layout resumes from, and why encoder ranks
+  write none are in :mod:`.loader_state`.
 
 Nothing upstream is imported at module level.
 """
@@ -63,6 +60,7 @@ from mindspeed_flow.data.conversation import DEFAULT_TEMPLATE, template_system
 from mindspeed_flow.data.handoff import ChunkView, StepBatches
 from mindspeed_flow.schedule.regions import ENCODER_REGION
 
+from .loader_state import resume_loader, save_loader_states
 from .model import _argument
 from .roles import role_region
 
@@ -305,23 +303,6 @@ def _first_records(source: str, count: int, name: str) -> tuple[int, ...]:
     return tuple(range(count))
 
 
-def loader_state_path(checkpoints: str, iteration: int, dp_rank: int, split: str = "train",
-                      ckpt_format: str = "torch") -> str:
-    """Where a decoding rank's loader state lies beside a checkpoint (the validation
-    loader's under its own name): in the ``mp_rank_XX`` folder of Megatron's
-    ``get_checkpoint_name`` layout, or, for ``torch_dcp`` (FSDP2), in the iteration's folder
-    itself: Megatron reads a folder holding ``mp_rank_0*`` as a ``torch`` checkpoint
-    (``checkpointing._get_checkpoint_format``), so a loader state there made the resume look
-    for ``model_optim_rng.pt``."""
-    from megatron.training.checkpointing import get_checkpoint_name
-
-    kind = "" if split == "train" else f"{split}_"
-    basename = f"flow_loader_{kind}dprank{dp_rank:03d}.pt"
-    if ckpt_format == "torch_dcp":
-        return os.path.join(get_checkpoint_name(checkpoints, iteration, return_base_dir=True), basename)
-    return get_checkpoint_name(checkpoints, iteration, basename=basename)
-
-
 def pack_length(margs: Any, tensor_parallel: int, context_parallel: int) -> tuple[int, int]:
     """``(multiple, capacity)``: every pack is padded to a multiple of ``multiple`` tokens,
     what Megatron's ``--sequence-parallel`` (TP) and context parallelism need of the sequence
@@ -380,31 +361,10 @@ def build_dataloader(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         records=spec.records, pad_multiple=multiple, template=spec.template,
         processor_file=os.path.join(str(spec.processor_path), "preprocessor_config.json"),
     )
-    if getattr(margs, "load", None) and getattr(margs, "iteration", 0) > 0 and loader.decoding:
-        path = loader_state_to_load(loader_state_path(margs.load, margs.iteration, loader.dp_rank, spec.split,
-                                                      getattr(margs, "ckpt_format", "torch")))
-        if os.path.isfile(path):
-            loader.load_state_dict(torch.load(path, weights_only=False)["flow_loader"])
-        else:
-            log.warning("--flow-packing: no loader state %s for iteration %d: the data starts from the first "
-                        "epoch again (samples seen before the checkpoint may repeat)", path, margs.iteration)
+    resume_loader(loader, spec.split, margs)
     if mpu.get_virtual_pipeline_model_parallel_world_size():
         _CHUNK_LOADERS[spec] = loader
     return loader
-
-
-def loader_state_to_load(path: str) -> str:
-    """The loader state file a decoding rank resumes from, given its own name ``path``: its
-    own, or the other layout's name for the same packs
-    (:func:`~mindspeed_flow.adapters.megatron.role_checkpoint.loader_state_fallback`: the
-    encoder's ``mp_rank_TT`` and the first stage's ``mp_rank_TT_000``).  An encoder rank of a
-    decoupled layout takes its slice's first backbone stage's first (encoder ranks write none,
-    :func:`save_checkpoint`; with one backbone stage the two names are one file)."""
-    from mindspeed_flow.adapters.megatron.role_checkpoint import loader_state_fallback
-
-    other = loader_state_fallback(path)
-    first, second = (other, path) if role_region() == ENCODER_REGION else (path, other)
-    return first if os.path.isfile(first) or not os.path.isfile(second) else second
 
 
 # Megatron builds the data iterators once per model chunk (virtual pipeline rank set); upstream's
@@ -483,18 +443,8 @@ def _chunk_view(loader: FlowDataLoader) -> Optional[ChunkView]:
 
 
 def save_checkpoint(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``save_checkpoint``: the model's checkpoint, then each decoding rank's loader state
-    (under a decoupled layout not an encoder rank's: see the module)."""
+    """``save_checkpoint``: the model's checkpoint, then the loader state of each live
+    iterator's decoding rank (:func:`~.loader_state.save_loader_states`)."""
     result = wrapped(*args, **kwargs)
-    from megatron.training import get_args
-
-    iteration = _argument(args, kwargs, SAVE_PARAMS, "iteration")
-    save_dir, ckpt_format = get_args().save, getattr(get_args(), "ckpt_format", "torch")
-    for iterator in list(_LIVE):
-        loader = iterator.loader
-        if loader.decoding and save_dir and role_region() != ENCODER_REGION:
-            path = loader_state_path(save_dir, iteration, loader.dp_rank, iterator.split, ckpt_format)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save({"flow_loader": iterator.save_state()}, path + ".tmp")
-            os.replace(path + ".tmp", path)
+    save_loader_states(list(_LIVE), _argument(args, kwargs, SAVE_PARAMS, "iteration"))
     return result

@@ -131,7 +131,7 @@ CHILD = textwrap.dedent("""
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.training.global_vars import set_args
-    from mindspeed_flow.adapters.mindspeed_mm import data as adapter
+    from mindspeed_flow.adapters.mindspeed_mm import data as adapter, loader_state
     from mindspeed_flow.data.accounting import ACCOUNTING
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -168,7 +168,7 @@ CHILD = textwrap.dedent("""
     c = Corpus.open(corpus)
     print(json.dumps({"trained": trained, "evaluated": evaluated, "test": test, "held": [c.place(i) for i in held],
                       "pending": [pending.samples, pending.microbatches], "after": after, "resumed": resumed,
-                      "paths": [adapter.loader_state_path(save_dir, 3, 0, s) for s in ("train", "valid")],
+                      "paths": [loader_state.loader_state_path(save_dir, 3, 0, s) for s in ("train", "valid")],
                       "splits": [train.split, valid.split]}))
 """)
 

@@ -73,7 +73,7 @@ CHILD = textwrap.dedent("""
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.training.global_vars import set_args
-    from mindspeed_flow.adapters.mindspeed_mm import data as adapter
+    from mindspeed_flow.adapters.mindspeed_mm import data as adapter, loader_state
     from mindspeed_flow.data.accounting import ACCOUNTING
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -104,7 +104,7 @@ CHILD = textwrap.dedent("""
                       "pending": [pending.samples, pending.microbatches],
                       "loader": [loader.capacity, loader.dp_size, loader.num_workers, loader.seed, loader.step_packs,
                                  loader.window],
-                      "path": adapter.loader_state_path(save_dir, 7, 0), "epochs": loader.stats.epochs}))
+                      "path": loader_state.loader_state_path(save_dir, 7, 0), "epochs": loader.stats.epochs}))
 """)
 
 
