@@ -49,7 +49,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
