@@ -154,44 +154,70 @@ def repack(samples: Any, iterator: Any, encoder: dict) -> Any:
 
 def encoder_step(layout: Any, iterator: Any, num_microbatches: int, *, forward_only: bool) -> tuple[Any, Any]:
     """An encoder rank's step: the one it read and ran ahead into during the previous call
-    (its microbatches are not read again), else :func:`step_grouping`'s.  A held step that
-    this call cannot be (an evaluation, another microbatch count) is refused: its number is
-    taken, and the backbone would wait for another step's keys."""
+    (its microbatches are not read again), else :func:`step_grouping`'s.
+
+    An evaluation where the held step was expected (MindSpeed-MM's last validation after a
+    sample budget ended training early: ``train_iters`` shrinks after the step that ran
+    ahead) drops that step (:func:`drop_ahead`): its number is the evaluation's on the
+    backbone.  A training step of another microbatch count is refused: nothing foreseen
+    changes the count."""
+    if FLOW.ahead is not None and forward_only:
+        drop_ahead()
     if FLOW.ahead is None:
         return step_grouping(layout, iterator, num_microbatches)
     (samples, grouping), FLOW.ahead = FLOW.ahead, None
-    if forward_only or len(samples.microbatches) != num_microbatches:
+    if len(samples.microbatches) != num_microbatches:
         raise StreamError(f"decoupled.flow: the encoder ran ahead into step {samples.step} "
-                          f"({len(samples.microbatches)} microbatches, training), but the job's next call is "
-                          f"{'an evaluation' if forward_only else 'a training step'} of {num_microbatches} "
-                          "microbatches (next_is_training_step foresaw it wrong)")
+                          f"({len(samples.microbatches)} microbatches), but the job's next training step has "
+                          f"{num_microbatches} microbatches (next_is_training_step foresaw it wrong)")
     return samples, grouping
+
+
+def drop_ahead() -> None:
+    """Give up the step this rank ran ahead into: its entries leave the pool, its number is
+    the next call's again.  The microbatches it read are not trained: the checkpoint's
+    loader position (the slice's first backbone stage's) never included them."""
+    (samples, _), FLOW.ahead = FLOW.ahead, None
+    dropped = FLOW.producer.discard(samples.step)
+    FLOW.samples.pop(samples.step, None)
+    FLOW.steps = samples.step
+    log.info("mindspeed-flow flow: dropped step %d, run ahead into (%d entries): the job's next call is an "
+             "evaluation", samples.step, dropped)
 
 
 def next_is_training_step(args: Any) -> bool:
     """Whether the job's next ``forward_backward_func`` call is its next training step, of
-    the same microbatch count, on the same data iterator (MindSpeed-MM's ``train`` loop): not
-    after the last iteration (``train_iters``), nor before an evaluation (after iteration
-    ``i`` when ``do_valid`` and ``i % eval_interval == 0``), nor under a batch-size ramp-up or
-    ``--use-data-balance`` (which rebuilds the iterator every step).  Unknown (no
-    ``curr_iteration``: not MindSpeed-MM's loop): no."""
+    the same microbatch count, on the same data iterator, as far as Megatron's / MindSpeed-MM's
+    ``train`` loop lets one foresee it: not after the last iteration (``train_iters``), nor
+    before an evaluation (after iteration ``i`` when ``do_valid`` and ``i % eval_interval
+    == 0``) or an exit (``i % exit_interval == 0``), nor under a batch-size ramp-up,
+    ``--use-data-balance`` (which rebuilds the iterator every step), MindSpeed-MM's dynamic
+    DP/CP (which reads the iterator before the step) or Megatron's rerun machinery
+    (``--rerun-mode`` other than ``disabled``: it may replay a step on a rewound iterator).
+    Without ``curr_iteration`` (no train loop set it): no.  What cannot be foreseen (a
+    sample budget reached, an exit signal) ends with the held step unused or dropped
+    (:func:`encoder_step`)."""
     current, total = getattr(args, "curr_iteration", None), getattr(args, "train_iters", None)
     if current is None or total is None:
         return False
     done = current + 1
     evaluates = getattr(args, "do_valid", False) and getattr(args, "eval_interval", None) and \
         done % args.eval_interval == 0
-    changes = getattr(args, "rampup_batch_size", None) or getattr(args, "use_data_balance", False)
-    return done < total and not evaluates and not changes
+    exits = getattr(args, "exit_interval", None) and done % args.exit_interval == 0
+    model = getattr(getattr(args, "mm", None), "model", None)
+    changes = getattr(args, "rampup_batch_size", None) or getattr(args, "use_data_balance", False) or \
+        getattr(model, "use_dynamic_dpcp", False) or getattr(args, "rerun_mode", "disabled") != "disabled"
+    return done < total and not evaluates and not exits and not changes
 
 
 def produce(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *,
             replica: int, trainable: bool, timeout_s: float, replicas_group: Any = None,
-            max_in_flight: int | None = None) -> Any:
+            max_in_flight: int | None = None) -> None:
     """Encoder replica ``replica``'s step: its batches encoded and put per sample (those a
     frozen ViT encoded ahead in the previous step only put); a trainable ViT's backwards as
     the gradients come back, then (several replicas) the sum of the replicas' gradients over
-    ``replicas_group``.  Returns the producer's stats (over the steps)."""
+    ``replicas_group``.  The step's counts go to ``FLOW.last``; the producer, kept for the
+    job, forgets its records of the step."""
     producer = _producer(pool, forward_step_func, model, replica=replica, trainable=trainable, timeout_s=timeout_s,
                          max_in_flight=max_in_flight)
     FLOW.samples[samples.step] = samples
@@ -201,11 +227,11 @@ def produce(samples: Any, grouping: Any, forward_step_func: Callable, model: Any
         if grouping.encoder_replicas > 1:
             sum_replica_grads(model, replicas_group)
     FLOW.samples = {step: s for step, s in FLOW.samples.items() if step > samples.step}
-    FLOW.last = {**_groups(grouping), "forwards": _count(producer.stats.forwards, grouping.step),
-                 "backwards": _count(producer.stats.backwards, grouping.step)}
+    forwards, backwards = producer.stats.step_counts(grouping.step)
+    producer.stats.forget_through(grouping.step)
+    FLOW.last = {**_groups(grouping), "forwards": forwards, "backwards": backwards}
     log.info("mindspeed-flow flow: step %d: LLM microbatches %s, encoder batches %s (sample ids)",
              samples.step, [list(mb) for mb in grouping.microbatches], [list(b) for b in grouping.batches])
-    return producer.stats
 
 
 def run_ahead(layout: Any, iterator: Any, num_microbatches: int) -> int:
@@ -242,10 +268,6 @@ def _producer(pool: Any, forward_step_func: Callable, model: Any, *, replica: in
                                                      max_in_flight=max_in_flight, timeout_s=timeout_s)
     producer.encode = encode
     return producer
-
-
-def _count(actions: list, step: int) -> int:
-    return sum(1 for s, _ in actions if s == step)
 
 
 def sum_replica_grads(model: Any, group: Any) -> None:

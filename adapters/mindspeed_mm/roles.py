@@ -78,7 +78,6 @@ def vlm_init_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict
     return result
 
 
-
 TRAINING_LOG_PARAMS = ("loss_dict", "total_loss_dict", "learning_rate", "decoupled_learning_rate", "iteration")
 
 
@@ -86,11 +85,19 @@ def training_log_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: 
     """``mindspeed_mm.training.training_log`` on an encoder rank whose model trains nothing (a
     frozen ViT + projector): Megatron builds a stub optimizer there (no parameter groups, as
     it does for frozen sub-models), so MindSpeed-MM's loop finds no learning rate and its log
-    refuses ``None`` (``AssertionError``).  That rank's log line is never shown (the log is
-    printed by the last rank, a backbone rank; the tensorboard writer is the last rank's), so
-    it gets 0.0; every other rank's log is upstream's."""
+    refuses ``None`` (``AssertionError``), and, under ``--decoupled-lr``, no decoupled one
+    either (the encoder rank is its role's first and last stage, where the log wants one).
+    That rank's log line is never shown (the log is printed by the last rank, a backbone
+    rank; the tensorboard writer is the last rank's), so it gets 0.0 for each; every other
+    rank's log is upstream's.  With a learning rate of 0.0 the log's one-time memory report
+    (``learning_rate > 0.``) is not printed by that rank: the backbone ranks print theirs."""
+    from megatron.training import get_args
+
     from .model import _argument, _with_argument
 
-    if _argument(args, kwargs, TRAINING_LOG_PARAMS, "learning_rate") is None and role_region() == ENCODER_REGION:
-        args, kwargs = _with_argument(args, kwargs, TRAINING_LOG_PARAMS, "learning_rate", 0.0)
+    if role_region() == ENCODER_REGION:
+        wanted = ["learning_rate"] + (["decoupled_learning_rate"] if get_args().decoupled_lr is not None else [])
+        for name in wanted:
+            if _argument(args, kwargs, TRAINING_LOG_PARAMS, name) is None:
+                args, kwargs = _with_argument(args, kwargs, TRAINING_LOG_PARAMS, name, 0.0)
     return wrapped(*args, **kwargs)

@@ -37,7 +37,7 @@ from ..pool import Pool, PoolFull
 from ..schedule.keys import BoundaryKind
 from .errors import StreamError
 from .grouping import FlowGrouping
-from .meta import SampleMeta
+from .meta import SampleKey, SampleMeta
 from .transfers import Waiting, put_waiting, take_ready
 
 ACT, GRAD = BoundaryKind.ACT, BoundaryKind.GRAD
@@ -57,6 +57,16 @@ class ProducerStats:
     backwards: list[tuple[int, int]] = field(default_factory=list)
     bytes_put: int = 0
     full_waits: int = 0
+
+    def step_counts(self, step: int) -> tuple[int, int]:
+        """Forwards and backwards of ``step`` (those run ahead during an earlier step too)."""
+        return (sum(1 for s, _ in self.forwards if s == step), sum(1 for s, _ in self.backwards if s == step))
+
+    def forget_through(self, step: int) -> None:
+        """Drop the records of steps up to ``step``: a producer kept for a whole job keeps
+        only what a later step may still count."""
+        self.forwards = [f for f in self.forwards if f[0] > step]
+        self.backwards = [b for b in self.backwards if b[0] > step]
 
 
 @dataclass
@@ -122,6 +132,7 @@ class EmbeddingProducer:
     def forward(self, grouping: FlowGrouping) -> None:
         """Encode this replica's batches of ``grouping`` and put every sample's rows (the
         batches :meth:`run_ahead` encoded already are put, not encoded again)."""
+        self._still_in_flight()  # keys taken since: a producer kept across steps forgets them
         self._put_held()
         batches = [b for b in grouping.replica_batches(self.replica) if (grouping.step, b) not in self._encoded]
         self.pool.announce(str(m.key(ACT)) for b in batches for m in grouping.metas(grouping.batches[b]))
@@ -159,6 +170,22 @@ class EmbeddingProducer:
                     self._held_rows.append(part)
             self._note("PUT", grouping.step, b, started)
         return done
+
+    def discard(self, step: int) -> int:
+        """Frozen encoder: give up what :meth:`run_ahead` encoded for ``step`` (the caller's
+        next step turned out not to be that one: a job's last validation after a budget
+        ended its training early).  Its entries still in the pool are released, the ones
+        held for lack of room dropped, and a later :meth:`forward` of a step numbered
+        ``step`` encodes all its batches.  Returns the entries dropped."""
+        put = [k for k in self._in_flight if SampleKey.parse(k).step == step and self.pool.ready(k)]
+        for key in put:
+            self.pool.release(key)
+        self._in_flight = [k for k in self._in_flight if SampleKey.parse(k).step != step]
+        kept = [(m, r) for m, r in zip(self._held, self._held_rows) if m.step != step]
+        dropped = len(put) + len(self._held) - len(kept)
+        self._held, self._held_rows = [m for m, _ in kept], [r for _, r in kept]
+        self._encoded = {(s, b) for s, b in self._encoded if s != step}
+        return dropped
 
     @property
     def ahead(self) -> list[str]:
