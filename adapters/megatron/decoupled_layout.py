@@ -28,7 +28,7 @@ DECOUPLED_FEATURE = "pool"  # patches/pool.py's feature: the decoupled layout's 
 def decoupled_layout(args: Any) -> DecoupledLayout | None:
     """The layout ``args``' flags name (``None``: none does).  When the layout file and the
     allocator plan both name one they must be the same sizes (the file's ``max_in_flight``
-    and ``flow`` win: a plan has neither); ``args.world_size`` must be the layout's, and a
+    and ``flow*`` keys win: a plan has none of them); ``args.world_size`` must be the layout's, and a
     layout with ``flow`` one that the flow runs (:func:`~.decoupled_flow.check_supported`)."""
     chosen = _chosen(args)
     return chosen[1] if chosen else None

@@ -59,8 +59,6 @@ def collate_pack(samples: Sequence[Sample], multiple: int = 1, pad_id: int = 0,
     """One pack of ``samples`` in the batch contract (module docstring), padded at the end to a
     multiple of ``multiple`` tokens with ``pad_id``; pixels normalised with ``geometry``'s
     mean/std (the processor's)."""
-    if not samples:
-        raise ValueError("a pack needs at least one sample")
     return join_pack(samples, normalize_joined([s.pixel_values for s in samples], geometry), multiple, pad_id)
 
 

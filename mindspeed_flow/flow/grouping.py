@@ -11,8 +11,9 @@ the encoder's batches by the encoder's, so neither side inherits the other's gro
   filled by the LLM's *cost*, not its tokens (heaviest sample first into the cheapest
   microbatch with room; best-fit's token packs, or a caller's ``candidates`` such as a job
   loader's packs, are kept only when their busiest replica costs less), then dealt over the
-  data-parallel replicas and ordered for the pipeline by that cost (:func:`mindspeed_flow.packing.dispatch`: snake deal, swap repair, zig-zag
-  heavy/light order when ``pp > 1``).  Give ``llm_cost`` the model's fitted
+  data-parallel replicas and ordered for the pipeline by that cost
+  (:func:`mindspeed_flow.packing.dispatch`: snake deal, swap repair, zig-zag heavy/light
+  order when ``pp > 1``).  Give ``llm_cost`` the model's fitted
   :class:`~mindspeed_flow.packing.CostModel` (``scripts/calibrate_cost_model.py``): with its
   ``sum l^2`` term, equal token counts are not equal work.
 - **Encoder batches**: the samples with images, in the order the backbone needs them (the
@@ -97,11 +98,13 @@ class FlowGrouping:
                 raise GroupingError(f"step {self.step}: sample {s} is listed twice among the step's samples")
             seen.add(s)
         with_images = [s for s in expected if s in self.by_id and self.by_id[s].patches]
-        _check_once(self.step, LLM, self.microbatches, expected)
-        _check_once(self.step, ENCODER, self.batches, with_images)
+        _check_once(f"step {self.step}", LLM, self.microbatches, expected)
+        _check_once(f"step {self.step}", ENCODER, self.batches, with_images)
 
 
-def _check_once(step: int, what: str, groups: Sequence[Sequence[int]], expected: Sequence[int]) -> None:
+def _check_once(place: str, what: str, groups: Sequence[Sequence[int]], expected: Sequence[int]) -> None:
+    """Every id of ``expected`` in exactly one of ``groups`` and nothing else; refused naming
+    ``place``, the sample and ``what`` (the kind of group) otherwise."""
     where: dict[int, list[int]] = defaultdict(list)
     for g, ids in enumerate(groups):
         for s in ids:
@@ -109,11 +112,11 @@ def _check_once(step: int, what: str, groups: Sequence[Sequence[int]], expected:
     for s in expected:
         found = where.pop(s, [])
         if not found:
-            raise GroupingError(f"step {step}: sample {s} is in no {what} (lost)")
+            raise GroupingError(f"{place}: sample {s} is in no {what} (lost)")
         if len(found) > 1:
-            raise GroupingError(f"step {step}: sample {s} is in {what}es {found} (repeated)")
+            raise GroupingError(f"{place}: sample {s} is in {what}es {found} (repeated)")
     for s, found in where.items():
-        raise GroupingError(f"step {step}: sample {s} in {what} {found[0]} is not one of the step's samples")
+        raise GroupingError(f"{place}: sample {s} in {what} {found[0]} is not one of the step's samples")
 
 
 def group_step(
@@ -201,7 +204,7 @@ def _candidate(samples: Sequence[SampleMeta], groups: Sequence[Sequence[int]], k
     step = samples[0].step
     if len(groups) != count:
         raise GroupingError(f"group_step: candidate {k} has {len(groups)} microbatches, step {step} has {count}")
-    _check_once(step, f"candidate {k}'s microbatch", groups, [s.sample_id for s in samples])
+    _check_once(f"group_step: step {step}", f"candidate {k}'s microbatch", groups, [s.sample_id for s in samples])
     index = {s.sample_id: i for i, s in enumerate(samples)}
     indices = [[index[int(s)] for s in group] for group in groups]
     for m, group in enumerate(indices):

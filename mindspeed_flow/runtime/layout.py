@@ -162,7 +162,7 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
           max_in_flight: 2                 # microbatches ahead of their backward (null: unbounded)
           flow: true                       # optional: FlowTrain's flow instead of the lockstep plan
           flow_encoder_batch_patches: 1024 # optional: ViT patches per encoder batch under the flow
-          flow_max_in_flight: 64           # optional: a frozen ViT's entries ahead of the backbone (null: the pool's room)
+          flow_max_in_flight: 64           # optional: a frozen ViT's entries ahead (null: the pool's room)
           flow_repack: true                # optional: the LLM's microbatches repacked from the samples (group_step)
 
     The layer counts are the model's (:meth:`~mindspeed_flow.decoupled.DecoupledLayout.with_layers`).
