@@ -15,14 +15,15 @@ each joined as the loader joins a pack.
   every sample of every step reaches the LLM's first stage exactly once (as it reaches the
   encoder rank); no pool is left.
 - The two flow features together: ``flow_repack`` with a frozen ViT, whose encoder rank runs
-  ahead into the next step (it repacks that step too), ``RESUME_ITERS`` iterations.  The
-  uninterrupted run repacks every step as the trainable ViT's run above (which does not run
-  ahead) and feeds the LLM the same samples in the same microbatches.  Saved at ``RESUME_K``
-  with the encoder ahead (logged: it had read, repacked and encoded step ``RESUME_K + 1``) and
-  resumed to the end: losses, consumed samples, both LLM stages' fed samples per iteration
-  and every step's logged repacking bit for bit as uninterrupted; the samples encoded ahead
-  at the save are encoded again after the resume, and every sample the LLM is fed after the
-  resume was encoded after it (none lost, none fed twice).
+  ahead into the next step (it repacks that step too), ``RESUME_ITERS`` iterations, saving at
+  ``RESUME_K`` without stopping (the checkpoint is written while the encoder has read,
+  repacked and encoded step ``RESUME_K + 1``; an ``--exit-interval`` exit is foreseen and not
+  run ahead into).  That run repacks every step as the trainable ViT's run above (which does
+  not run ahead) and feeds the LLM the same samples in the same microbatches.  Resumed from
+  ``RESUME_K`` (``--ckpt-step``) to the end: losses, consumed samples, both LLM stages' fed
+  samples per iteration and every step's logged repacking bit for bit as the saving run; the
+  samples encoded ahead at the save are encoded again after the resume, and every sample the
+  LLM is fed after the resume was encoded after it, once (none lost, none twice).
 """
 
 from __future__ import annotations
@@ -132,26 +133,27 @@ def _repack_job():
 
 @pytest.mark.timeout(1800)
 def test_pretrain_vlm_repacking_with_a_frozen_vit_ahead_at_the_save_resumes_bit_for_bit(real_jobs):
-    """``flow_repack`` and a frozen ViT (``FROZEN_VIT``) together.  Uninterrupted: after every
-    step but the last the encoder rank runs ahead into the next one, repacking it as the slice's
-    LLM ranks do when they reach it; every step is repacked and the LLM fed exactly as in the
-    trainable ViT's repacking run (no run ahead).  Saved at K while the encoder had read,
-    repacked and encoded step K + 1 (0-based step K), resumed to the end: losses, consumed
-    samples, both LLM stages' fed samples per iteration and every step's repacking (the
-    resumed job numbers its steps from 0 again) bit for bit as uninterrupted; the encoder
-    rank's ahead repacking at the save is the resumed step's; the samples it encoded ahead at
-    K are encoded again after the resume; after the resume the encoder is fed exactly the
-    samples the LLM is fed (none lost, none twice), before it those plus the ones encoded
-    ahead at the save."""
-    from test_real_job import assert_finished
+    """``flow_repack`` and a frozen ViT (``FROZEN_VIT``) together, saving at K (and at the end).
+    The saving run never stops: after every step but the last the encoder rank runs ahead into
+    the next one, repacking it as the slice's LLM ranks do when they reach it, so the checkpoint
+    at K is written while the encoder has read, repacked and encoded step K + 1 (0-based step
+    K; an ``--exit-interval`` exit at K is foreseen and not run ahead into); every step is
+    repacked and the LLM fed exactly as in the trainable ViT's repacking run (no run ahead).
+    Resumed from K (``--ckpt-step``) to the end: losses, consumed samples, both LLM stages' fed
+    samples per iteration and every step's repacking (the resumed job numbers its steps from 0
+    again) bit for bit as the saving run; the samples encoded ahead at K are encoded again
+    after the resume, and after it the encoder is fed exactly the samples the LLM is fed (none
+    lost, none twice)."""
+    from test_real_job import PER_TOKEN, assert_finished
 
     iters, k = RESUME_ITERS, RESUME_K
     base = replace(_repack_job(), iters=iters, model_patch=FROZEN_VIT)
-    whole = real_jobs.run("flow_repack_frozen_vit1_pp2", base)
+    whole = real_jobs.run("flow_repack_frozen_vit1_pp2_save", replace(base, save="ckpt", save_interval=k))
     assert_finished(whole, last=iters)
     ahead = _ran_ahead(whole.output)
     assert sorted(ahead) == list(range(iters - 1)), whole.output[-3000:]  # ran ahead after every step but the last
     assert all(into == step + 1 and done == of > 0 for step, (into, done, of) in ahead.items()), ahead
+    assert ahead[k - 1][0] == k  # in the saved iteration, into the next one
     repacks = _repacks(whole.output)
     assert sorted(repacks) == list(range(iters)), whole.output[-3000:]
     trainable = real_jobs.run("flow_repack_vit1_pp2", _repack_job())  # encodes within the step
@@ -161,32 +163,25 @@ def test_pretrain_vlm_repacking_with_a_frozen_vit_ahead_at_the_save_resumes_bit_
     for rank in (1, 2):
         assert _fed_by_iteration(whole, rank) == _fed_by_iteration(trainable, rank), rank
 
-    first = real_jobs.run("flow_repack_frozen_vit1_pp2_save", replace(base, save="ckpt", save_interval=k,
-                                                                      exit_interval=k))
-    assert_finished(first, last=k)
-    assert _ran_ahead(first.output)[k - 1][0] == k, first.output[-3000:]  # ahead into step k at the save
-    second = real_jobs.run("flow_repack_frozen_vit1_pp2_resume", replace(base, load=str(first.workdir / "ckpt")))
-    assert_finished(second, first=k + 1, last=iters)
-    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
-    assert {**first.consumed, **second.consumed} == whole.consumed
-    for rank in (1, 2):
-        assert {**_fed_by_iteration(first, rank), **_fed_by_iteration(second, rank)} == \
-            _fed_by_iteration(whole, rank), rank
-    before, after = _repacks(first.output), _repacks(second.output)
-    assert sorted(before) == list(range(k + 1)) and sorted(after) == list(range(iters - k))
-    assert before[k] == after[0]  # the step repacked ahead at the save is repacked again, the same
-    assert {**before, **{k + s: r for s, r in after.items()}} == repacks
-
+    resumed = real_jobs.run("flow_repack_frozen_vit1_pp2_resume", replace(
+        base, load=str(whole.workdir / "ckpt"), extra_args=PER_TOKEN + ("--ckpt-step", str(k))))
+    assert_finished(resumed, first=k + 1, last=iters)
+    assert resumed.exact_losses == {i: v for i, v in whole.exact_losses.items() if i > k}
+    assert resumed.consumed == {i: v for i, v in whole.consumed.items() if i > k}
     packs = _fed_by_iteration(whole, 1)  # the LLM's first stage, by iteration
     its = sorted(packs)
-    encoded_ahead = _tags(packs[its[k]])  # iteration K + 1's samples (0-based its[k])
-    enc_before, enc_after = _fed_by_iteration(first, 0), _fed_by_iteration(second, 0)
-    assert _tags(enc_before[its[k - 1]]) == encoded_ahead  # encoded ahead during iteration K, then saved
-    assert _tags(enc_after[its[k]]) == encoded_ahead + _tags(packs[its[k + 1]])  # encoded again, and ahead again
+    for rank in (1, 2):
+        fed = _fed_by_iteration(whole, rank)
+        assert _fed_by_iteration(resumed, rank) == {i: fed[i] for i in its[k:]}, rank
+    after = _repacks(resumed.output)
+    assert {k + s: r for s, r in after.items()} == {s: r for s, r in repacks.items() if s >= k}
 
     def total(fed: dict) -> Counter:
         return sum((_tags(b) for b in fed.values()), Counter())
 
-    fed_after = {i: b for i, b in packs.items() if i in its[k:]}
-    assert total(enc_after) == total(fed_after)  # after the resume: every sample the LLM got, encoded once
-    assert total(enc_before) == total({i: b for i, b in packs.items() if i in its[:k]}) + encoded_ahead
+    encoded_ahead = _tags(packs[its[k]])  # iteration K + 1's samples (0-based its[k])
+    enc_whole, enc_resumed = _fed_by_iteration(whole, 0), _fed_by_iteration(resumed, 0)
+    assert _tags(enc_whole[its[k - 1]]) == encoded_ahead  # encoded ahead during iteration K, when it saved
+    assert _tags(enc_resumed[its[k]]) == encoded_ahead + _tags(packs[its[k + 1]])  # encoded again, and ahead again
+    assert total(enc_whole) == total(packs)  # uninterrupted: every sample the LLM got, encoded once
+    assert total(enc_resumed) == total({i: packs[i] for i in its[k:]})  # after the resume, the same
