@@ -289,8 +289,12 @@ def _with_parallel_sizes(saved_args: Any, margs: Any) -> Any:
 
 def loader_state_fallback(path: str) -> str:
     """A decoding rank's loader state under the other layout's file names: the encoder's
-    ``mp_rank_TT`` and the first stage's ``mp_rank_TT_000`` decode the same packs."""
+    ``mp_rank_TT`` and the first stage's ``mp_rank_TT_000`` decode the same packs.  A path
+    outside an ``mp_rank`` folder (``torch_dcp``: the iteration's folder, one name for every
+    layout) is its own other name."""
     folder, name = os.path.split(path)
     parent, leaf = os.path.split(folder)
+    if not leaf.startswith("mp_rank_"):
+        return path
     other = leaf[: len("mp_rank_00")] if leaf.count("_") == 3 else f"{leaf}_000"
     return os.path.join(parent, other, name)

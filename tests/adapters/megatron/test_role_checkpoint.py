@@ -52,6 +52,9 @@ def test_the_loader_state_falls_back_to_the_other_layouts_first_stage_folder():
         "/c/iter_0000004/mp_rank_00_000/flow_loader_dprank000.pt"
     assert rc.loader_state_fallback("/c/iter_0000004/mp_rank_00_000/flow_loader_dprank000.pt") == \
         "/c/iter_0000004/mp_rank_00/flow_loader_dprank000.pt"
+    # torch_dcp: the state lies in the iteration's folder, under one name for every layout
+    assert rc.loader_state_fallback("/c/iter_0000004/flow_loader_dprank000.pt") == \
+        "/c/iter_0000004/flow_loader_dprank000.pt"
 
 
 @pytest.mark.parametrize("saved_form, my_form", [("transposed", "colocated"), ("colocated", "transposed"),
