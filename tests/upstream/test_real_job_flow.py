@@ -16,9 +16,9 @@ embeddings by key and, for a trainable ViT, puts each sample's gradient back.
 - The same with a frozen ViT: its encoder rank runs ahead into the next step (it encodes and
   puts step ``n+1``'s samples during step ``n``, never after the last step); the LLM's first
   stage is fed the packs of the trainable ViT's run (which encodes within the step), every
-  sample reaches the encoder once.  Saved
-  at K with the encoder ahead and resumed to ITERS: losses and every backbone rank's fed
-  samples bit for bit as uninterrupted; what was encoded ahead at K is encoded again after the
+  sample reaches the encoder once.  That run saves at K with the encoder ahead (and goes
+  on); resumed from K to ITERS: losses and every backbone rank's fed samples bit for bit as
+  uninterrupted; what was encoded ahead at K is encoded again after the
   resume (the checkpoint holds the trained step's loader position).
 """
 
@@ -216,6 +216,14 @@ def _tags(batches: list[list[str]]) -> Counter:
     return Counter(t for b in batches for t in b)
 
 
+def _frozen_job():
+    """``_flow_job`` with a frozen ViT, saving at K (and going on to the end): the run the two
+    frozen-ViT tests share, uninterrupted and the resume's checkpoint at once."""
+    from test_real_job import K
+
+    return replace(_flow_job(), model_patch=FROZEN_VIT, save="ckpt", save_interval=K)
+
+
 @pytest.mark.timeout(1200)
 def test_pretrain_vlm_with_a_frozen_vit_runs_ahead_into_the_next_step(real_jobs):
     """A frozen ViT (``vision_encoder.freeze``, ``vision_projector.freeze``) under the flow:
@@ -228,7 +236,7 @@ def test_pretrain_vlm_with_a_frozen_vit_runs_ahead_into_the_next_step(real_jobs)
     a stub optimizer: its log runs, ``roles.training_log_wrapper``.)"""
     from test_real_job import ITERS, assert_finished
 
-    run = real_jobs.run("flow_frozen_vit1_pp2", replace(_flow_job(), model_patch=FROZEN_VIT))
+    run = real_jobs.run("flow_frozen_vit1_pp2_save", _frozen_job())
     assert_finished(run)
     ahead = _ran_ahead(run.output)
     assert sorted(ahead) == list(range(ITERS - 1)), run.output[-3000:]  # not after the last step
@@ -251,29 +259,31 @@ def test_pretrain_vlm_with_a_frozen_vit_runs_ahead_into_the_next_step(real_jobs)
 
 @pytest.mark.timeout(1800)
 def test_pretrain_vlm_with_a_frozen_vit_ahead_at_the_save_resumes_bit_for_bit(real_jobs):
-    """Save at K and exit while the frozen ViT's encoder rank has encoded step K + 1's samples
-    ahead (logged), resume to ITERS: losses and consumed samples bit for bit as the
-    uninterrupted run; every backbone rank is fed the same samples in the same order (none
-    lost, none twice); the encoder rank encodes the samples it had encoded ahead again after
-    the resume (the checkpoint's loader position is the trained step's)."""
+    """The frozen-ViT run saves at K while its encoder rank has encoded step K + 1's samples
+    ahead (logged) and goes on; resumed from that checkpoint (``--ckpt-step K``) to ITERS:
+    losses and consumed samples bit for bit as the saving (uninterrupted) run's; every
+    backbone rank is fed the same samples in the same order (none lost, none twice); the
+    encoder rank encodes the samples it had encoded ahead again after the resume (the
+    checkpoint's loader position is the trained step's).  (Saved without exiting: before an
+    ``--exit-interval`` exit the encoder does not run ahead, ``next_is_training_step``.)"""
     from test_real_job import ITERS, K, assert_finished
 
-    base = replace(_flow_job(), model_patch=FROZEN_VIT)
-    first = real_jobs.run("flow_frozen_vit1_pp2_save", replace(base, save="ckpt", save_interval=K, exit_interval=K))
-    assert_finished(first, last=K)
-    assert _ran_ahead(first.output)[K - 1][0] == K, first.output[-3000:]  # ahead into step K at the save
-    second = real_jobs.run("flow_frozen_vit1_pp2_resume", replace(base, load=str(first.workdir / "ckpt")))
-    assert_finished(second, first=K + 1, last=ITERS)
-    whole = real_jobs.run("flow_frozen_vit1_pp2", base)
-    assert {**first.exact_losses, **second.exact_losses} == whole.exact_losses
-    assert {**first.consumed, **second.consumed} == whole.consumed
-    for rank in (1, 2):
-        assert {**_fed_by_iteration(first, rank), **_fed_by_iteration(second, rank)} == \
-            _fed_by_iteration(whole, rank), rank
+    whole = real_jobs.run("flow_frozen_vit1_pp2_save", _frozen_job())
+    assert_finished(whole)
+    assert _ran_ahead(whole.output)[K - 1][0] == K, whole.output[-3000:]  # ahead into step K at the save
+    resumed = real_jobs.run("flow_frozen_vit1_pp2_resume", replace(
+        _frozen_job(), save=None, save_interval=None, load=str(whole.workdir / "ckpt"),
+        extra_args=("--ckpt-step", str(K))))
+    assert_finished(resumed, first=K + 1, last=ITERS)
+    assert resumed.exact_losses == {i: v for i, v in whole.exact_losses.items() if i > K}
+    assert resumed.consumed == {i: v for i, v in whole.consumed.items() if i > K}
     packs = _fed_by_iteration(whole, 1)
     its = sorted(packs)
+    for rank in (1, 2):
+        fed = _fed_by_iteration(whole, rank)
+        assert _fed_by_iteration(resumed, rank) == {i: fed[i] for i in its[K:]}, rank
     encoded_ahead = _tags(packs[its[K]])  # iteration K + 1's samples (0-based its[K])
-    before, after = _fed_by_iteration(first, 0), _fed_by_iteration(second, 0)
+    before, after = _fed_by_iteration(whole, 0), _fed_by_iteration(resumed, 0)
     assert _tags(before[its[K - 1]]) == encoded_ahead  # encoded ahead during iteration K, then saved
     assert _tags(after[its[K]]) == encoded_ahead + _tags(packs[its[K + 1]])  # encoded again, and ahead again
-    assert not list((first.workdir / "ckpt").rglob("mp_rank_00/flow_loader_*.pt"))  # the encoder wrote none
+    assert not list((whole.workdir / "ckpt").rglob("mp_rank_00/flow_loader_*.pt"))  # the encoder wrote none
