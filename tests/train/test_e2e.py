@@ -279,8 +279,11 @@ def test_ctrl_c_stops_every_rank_and_leaves_no_pool_behind(tmp_path):
     # (a pool seen only in a short last phase let the job finish first under load: exit 0)
     command = ["train", str(CONFIG), "--only", "flowtrain", "--no-resume-check", "--steps", "60",
                "--report", str(tmp_path / "report")]
-    proc = subprocess.Popen(_command() + command, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    # A terminal's job takes Ctrl-C: SIGINT at its default, whatever this test inherited (a
+    # runner started in the background, `cmd &` in a script, ignores SIGINT, and so would the
+    # job: it ran to the end and exited 0)
+    proc = subprocess.Popen(_command() + command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         os.set_blocking(proc.stdout.fileno(), False)
         output, pools, deadline = b"", [], time.monotonic() + 300
