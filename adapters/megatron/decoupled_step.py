@@ -190,7 +190,7 @@ def _flow_step(layout: Any, rank: int, role: Any, forward_step_func: Callable, i
         decoupled_flow.produce(samples, grouping, forward_step_func, model, STATE.pool, replica=encoder_replica(),
                                trainable=trainable, timeout_s=timeout_s, replicas_group=ROLES.groups[ENCODER_REGION],
                                max_in_flight=layout.flow_max_in_flight)
-        if not trainable_encoder() and not forward_only and decoupled_flow.next_is_training_step(get_args()):
+        if not trainable and not forward_only and decoupled_flow.next_is_training_step(get_args()):
             decoupled_flow.run_ahead(layout, iterator, num_microbatches)
         return [], torch.zeros([], dtype=torch.int)
     samples, grouping = decoupled_flow.step_grouping(layout, iterator, num_microbatches)

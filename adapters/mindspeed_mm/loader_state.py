@@ -83,15 +83,16 @@ def resume_loader(loader: FlowDataLoader, split: str, margs: Any) -> None:
 
 def save_loader_states(iterators: Iterable[Any], iteration: int) -> None:
     """Write the loader state of each of ``iterators`` (the train loop's
-    :class:`~.data.FlowTrainIterator`: its ``loader``, ``split`` and ``save_state()``)
-    whose loader decodes, beside checkpoint ``iteration`` under ``--save``; none on an encoder
-    rank of a decoupled layout (see the module).  Each file is written whole, then renamed."""
+    :class:`~.data.FlowTrainIterator`: its ``loader``, ``split``, ``records`` and
+    ``save_state()``) that records its samples (a decoding rank, not an encoder rank of a
+    decoupled layout: see the module), beside checkpoint ``iteration`` under ``--save``.
+    Each file is written whole, then renamed."""
     from megatron.training import get_args
 
     save_dir, ckpt_format = get_args().save, getattr(get_args(), "ckpt_format", "torch")
     for iterator in iterators:
         loader = iterator.loader
-        if loader.decoding and save_dir and role_region() != ENCODER_REGION:
+        if iterator.records and save_dir:  # the slice's own decoding rank: not an encoder rank's copy
             path = loader_state_path(save_dir, iteration, loader.dp_rank, iterator.split, ckpt_format)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"flow_loader": iterator.save_state()}, path + ".tmp")
