@@ -11,7 +11,12 @@ encode exactly LLM microbatch ``m`` and put it whole.  Under the flow, one step 
   encoder's batches by the encoder's own cost (ViT patches, ``flow_encoder_batch_patches``
   per batch): the two groupings differ; with ``flow_repack`` the backbone's microbatches are
   made by the flow's scheduler instead, from the samples by the LLM's cost model (:func:`repack`:
-  :func:`~mindspeed_flow.flow.group_step`), each joined as the loader joins a pack;
+  :func:`~mindspeed_flow.flow.group_step`), each joined as the loader joins a pack; with
+  several backbone replicas (the layout ``deals_over_slices``) every rank gathers the step's
+  microbatches of every slice from its role's data-parallel peers (:func:`every_slices_batches`)
+  and the samples of all slices are packed together and dealt zig-zag over PP x DP: a sample
+  read, and encoded, in one slice may be trained in another, through the one pool the slices
+  share;
 - the encoder rank is an :class:`~mindspeed_flow.flow.EmbeddingProducer`: it runs MindSpeed-MM's
   ``forward_step`` on each of its batches (the ViT + projector of ``VLMModel``) and puts one
   pool entry per sample (``flow/step<n>/act/<id>``); a trainable ViT then takes each
@@ -42,7 +47,7 @@ from typing import Any, Callable
 
 from mindspeed_flow.decoupled import LayoutError
 from mindspeed_flow.flow.errors import StreamError
-from mindspeed_flow.schedule.regions import BACKBONE_REGION
+from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +76,14 @@ class FlowState:
 FLOW = FlowState()
 
 
-def check_supported(layout: Any, args: Any = None, source: str = "the decoupled layout") -> None:
+def check_supported(layout: Any, args: Any = None, source: str = "the decoupled layout",
+                    backend: str | None = None) -> None:
     """Refuse (:class:`LayoutError`, naming ``source`` and each reason) a flow layout this
     version does not run: several backbone replicas with several encoder replicas each,
     tensor parallelism in either role (untensored ranks are what is checked in Megatron's
-    job), virtual pipeline stages; and ``flow_repack`` without ``--calculate-per-token-loss``
-    (given ``args``)."""
+    job), virtual pipeline stages, slices that deal samples to each other on the ``torch``
+    pool ``backend`` (a process group per slice's pool); and ``flow_repack`` without
+    ``--calculate-per-token-loss`` (given ``args``)."""
     reasons = []
     if layout.backbone_dp > 1 and layout.encoder_dp > 1:
         reasons.append(f"backbone dp {layout.backbone_dp} with {layout.encoder_dp} encoder replicas per slice (the "
@@ -86,6 +93,10 @@ def check_supported(layout: Any, args: Any = None, source: str = "the decoupled 
                        "per-sample entries are read and written by one rank per role)")
     if args is not None and getattr(args, "virtual_pipeline_model_parallel_size", None):
         reasons.append("virtual pipeline stages (the backbone runs one model chunk per rank)")
+    if layout.deals_over_slices and backend == "torch":
+        reasons.append(f"flow_repack over {layout.backbone_dp} backbone replicas on the torch pool backend (its pool "
+                       "is a process group per slice, and these slices share one pool: use shm on one node, "
+                       "mooncake across nodes)")
     if reasons:
         raise LayoutError(f"{source}: decoupled.flow does not run here yet: " + "; ".join(reasons))
     if layout.flow_repack and args is not None and not getattr(args, "calculate_per_token_loss", False):
@@ -110,7 +121,8 @@ def image_token_id() -> int:
 
 
 def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[Any, Any]:
-    """This step's samples and grouping, from its ``num_microbatches`` microbatches (read now):
+    """This step's samples and grouping, from its ``num_microbatches`` microbatches (read now;
+    when the layout ``deals_over_slices``, with every slice's: :func:`every_slices_batches`):
     the loader's packs as the backbone's microbatches, or with ``flow_repack`` new ones
     (:func:`repack`)."""
     from mindspeed_flow.adapters.mindspeed_mm.flow_batches import StepBatches
@@ -118,25 +130,56 @@ def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[An
     from mindspeed_flow.flow.packed import group_packed
 
     batches = [next(iterator) for _ in range(num_microbatches)]
+    replicas = layout.backbone_dp if layout.deals_over_slices else 1  # the backbone replicas the step is dealt over
+    if replicas > 1:
+        batches = every_slices_batches(layout, batches)
     samples = StepBatches(FLOW.steps, batches, image_token_id())
     FLOW.steps += 1
     encoder = {"encoder_cost": EncoderCost(linear=1.0), "encoder_budget": float(layout.flow_encoder_batch_patches),
-               "encoder_replicas": layout.encoder_dp, "pp": layout.backbone_pp}
+               "encoder_replicas": layout.encoder_dp * replicas, "pp": layout.backbone_pp}
     if layout.flow_repack:
-        return samples, repack(samples, iterator, encoder)
+        return samples, repack(samples, iterator, encoder, replicas)
     return samples, group_packed(samples.metas, samples.microbatches, **encoder)
 
 
-def repack(samples: Any, iterator: Any, encoder: dict) -> Any:
+def every_slices_batches(layout: Any, batches: list) -> list:
+    """The step's microbatches of every slice, slice by slice: each slice's ranks read their
+    own share of the data (Megatron's data parallelism), and a layout that
+    ``deals_over_slices`` packs all of them together.  Gathered over this rank's role's
+    data-parallel group (every encoder rank; this backbone stage of every slice), so every
+    rank of the job holds the same samples and makes the same grouping."""
+    import torch.distributed as dist
+
+    from mindspeed_flow.adapters.megatron.roles import ROLES
+
+    rank = dist.get_rank()
+    group = ROLES.groups["vit_dp" if layout.role(rank).region == ENCODER_REGION else "llm_dp"]
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (layout.replica(rank), batches), group=group)
+    order = [replica for replica, _ in gathered]
+    if order != list(range(layout.backbone_dp)):
+        raise StreamError(f"decoupled.flow: rank {rank} gathered the step's microbatches of slices {order} over its "
+                          f"data-parallel group, expected each of the {layout.backbone_dp} slices once, in order")
+    return [batch for _, theirs in gathered for batch in theirs]
+
+
+def grouping_replica(layout: Any, rank: int) -> int:
+    """The backbone replica of ``rank``'s slice in the step's grouping: the slice's index when
+    the layout ``deals_over_slices`` (the grouping holds every slice's samples), else 0 (the
+    grouping is its slice's alone)."""
+    return layout.replica(rank) if layout.deals_over_slices else 0
+
+
+def repack(samples: Any, iterator: Any, encoder: dict, replicas: int = 1) -> Any:
     """The step's samples packed again into as many LLM microbatches as the loader made
-    (Megatron's count for the step): best-fit and filled by the job's packing loader's cost
-    model (its ``sum l^2`` term), the loader's own packs weighed as one more candidate (so the
-    step is never dearer than the loader's by that model, and a step the greedy fill cannot
-    fit keeps them), dealt zig-zag over the slice's pipeline stages
-    (:func:`~mindspeed_flow.flow.group_step`; one backbone replica: slices do not exchange
-    samples), each pack joined as the loader joins one
+    (Megatron's count for the step, on each of the ``replicas`` backbone replicas the samples
+    are dealt over): best-fit and filled by the job's packing loader's cost model (its
+    ``sum l^2`` term), the loader's own packs weighed as one more candidate (so the step is
+    never dearer than the loader's by that model, and a step the greedy fill cannot fit keeps
+    them), dealt zig-zag over the replicas' pipeline stages
+    (:func:`~mindspeed_flow.flow.group_step`), each pack joined as the loader joins one
     (:meth:`~mindspeed_flow.adapters.mindspeed_mm.flow_batches.StepBatches.repack`).  Every
-    rank of the slice holds the same samples and makes the same packs."""
+    rank dealt over holds the same samples and makes the same packs."""
     from megatron.training import get_args
 
     from mindspeed_flow.adapters.mindspeed_mm.flow_batches import pack_settings
@@ -145,10 +188,11 @@ def repack(samples: Any, iterator: Any, encoder: dict) -> Any:
     settings = pack_settings(iterator, get_args().seq_length)
     loader_packs = [list(mb) for mb in samples.microbatches]
     grouping = group_step(samples.metas, capacity=settings.capacity, llm_cost=settings.cost_model,
-                          microbatches=len(loader_packs), candidates=[loader_packs], **encoder)
+                          microbatches=len(loader_packs), candidates=[loader_packs], dp=replicas, **encoder)
     samples.repack(grouping.microbatches, settings.multiple)
-    log.info("mindspeed-flow flow: step %d: the loader's packs %s repacked into LLM microbatches %s (sample ids)",
-             samples.step, loader_packs, [list(mb) for mb in grouping.microbatches])
+    log.info("mindspeed-flow flow: step %d: the loader's packs %s repacked into LLM microbatches %s (sample ids)"
+             " on backbone replicas %s", samples.step, loader_packs, [list(mb) for mb in grouping.microbatches],
+             list(grouping.microbatch_replica))
     return grouping
 
 
@@ -213,10 +257,13 @@ def next_is_training_step(args: Any) -> bool:
 def produce(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *,
             replica: int, trainable: bool, timeout_s: float, replicas_group: Any = None,
             max_in_flight: int | None = None) -> None:
-    """Encoder replica ``replica``'s step: its batches encoded and put per sample (those a
-    frozen ViT encoded ahead in the previous step only put); a trainable ViT's backwards as
-    the gradients come back, then (several replicas) the sum of the replicas' gradients over
-    ``replicas_group``.  The step's counts go to ``FLOW.last``; the producer, kept for the
+    """Encoder replica ``replica``'s step (its index in the grouping's encoder replicas):
+    its batches encoded and put per sample (those a frozen ViT encoded ahead in the previous
+    step only put); a trainable ViT's backwards as the gradients come back, then (several
+    replicas in the slice) the sum of the slice's replicas' gradients over ``replicas_group``.
+    Encoder ranks of several slices that deal over slices are not summed here: each holds
+    its own batches' part, and Megatron's DDP sums the parts over the role's data-parallel
+    group.  The step's counts go to ``FLOW.last``; the producer, kept for the
     job, forgets its records of the step."""
     producer = _producer(pool, forward_step_func, model, replica=replica, trainable=trainable, timeout_s=timeout_s,
                          max_in_flight=max_in_flight)
@@ -224,7 +271,7 @@ def produce(samples: Any, grouping: Any, forward_step_func: Callable, model: Any
     producer.forward(grouping)
     if trainable:
         producer.backward(grouping)
-        if grouping.encoder_replicas > 1:
+        if replicas_group is not None:
             sum_replica_grads(model, replicas_group)
     FLOW.samples = {step: s for step, s in FLOW.samples.items() if step > samples.step}
     forwards, backwards = producer.stats.step_counts(grouping.step)
@@ -286,11 +333,11 @@ def sum_replica_grads(model: Any, group: Any) -> None:
 
 
 def consume(samples: Any, grouping: Any, forward_step_func: Callable, model: Any, pool: Any, *, stage: int,
-            trainable: bool, timeout_s: float, run: Callable[..., Any]) -> Any:
-    """A backbone stage's step: its pipeline's 1F1B over the step's microbatches (the loader's
-    packs, or :func:`repack`'s), the first stage's embeddings taken per sample from the pool.
-    ``run(plan, forward_step, bindings)`` runs the executor (the caller holds Megatron's
-    gradient-sync contract); returns its result."""
+            trainable: bool, timeout_s: float, run: Callable[..., Any], replica: int = 0) -> Any:
+    """A backbone stage's step: its pipeline's 1F1B over backbone replica ``replica``'s
+    microbatches of the step (the loader's packs, or :func:`repack`'s), the first stage's
+    embeddings taken per sample from the pool.  ``run(plan, forward_step, bindings)`` runs
+    the executor (the caller holds Megatron's gradient-sync contract); returns its result."""
     from mindspeed_flow.flow import EmbeddingConsumer, backbone_plan, stage_feed
     from mindspeed_flow.runtime import Binding
     from mindspeed_flow.runtime.step import set_input_tensor
@@ -299,7 +346,8 @@ def consume(samples: Any, grouping: Any, forward_step_func: Callable, model: Any
     if stage == 0:
         device = next(model.parameters()).device
         consumer = EmbeddingConsumer(pool, trainable=trainable, device=device, timeout_s=timeout_s)
-    feed = zip(stage_feed(grouping, 0, consumer), samples.batches)
+    feed = zip(stage_feed(grouping, replica, consumer),
+               (samples.batch(m) for m in grouping.replica_microbatches(replica)))
 
     def forward_step(data_iterator: Any, chunk: Any) -> Any:
         item, batch = next(data_iterator)
@@ -308,16 +356,17 @@ def consume(samples: Any, grouping: Any, forward_step_func: Callable, model: Any
         return forward_step_func(iter([batch]), chunk)
 
     result = run(backbone_plan(grouping), forward_step, {(BACKBONE_REGION, stage): Binding(model, feed)})
-    FLOW.last = _groups(grouping)
+    FLOW.last = {**_groups(grouping), "replica": replica}
     if consumer is not None:
-        consumer.finish(grouping, 0)
+        consumer.finish(grouping, replica)
         FLOW.last.update(taken=len(consumer.stats.taken), grads_put=len(consumer.stats.grads_put))
     return result
 
 
 def _groups(grouping: Any) -> dict:
     return {"step": grouping.step, "microbatches": [list(mb) for mb in grouping.microbatches],
-            "batches": [list(b) for b in grouping.batches]}
+            "microbatch_replica": list(grouping.microbatch_replica), "batches": [list(b) for b in grouping.batches],
+            "batch_replica": list(grouping.batch_replica)}
 
 
 def backbone_executor(layout: Any, rank: int, options: Any) -> Any:

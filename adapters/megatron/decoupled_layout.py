@@ -36,7 +36,8 @@ def decoupled_layout(args: Any) -> DecoupledLayout | None:
 
 def _chosen(args: Any) -> tuple[str, DecoupledLayout] | None:
     """``(where it came from, the layout)`` of :func:`decoupled_layout`."""
-    found = _named(flow_config(args))
+    config = flow_config(args)
+    found = _named(config)
     if not found:
         return None
     source, layout = found[0]
@@ -52,7 +53,7 @@ def _chosen(args: Any) -> tuple[str, DecoupledLayout] | None:
     if layout.flow:
         from mindspeed_flow.adapters.megatron.decoupled_flow import check_supported
 
-        check_supported(layout, args, source)
+        check_supported(layout, args, source, backend=config.pool_backend)
     return source, layout
 
 

@@ -187,8 +187,10 @@ def _flow_step(layout: Any, rank: int, role: Any, forward_step_func: Callable, i
         from mindspeed_flow.adapters.megatron.roles import ROLES, encoder_replica
 
         samples, grouping = decoupled_flow.encoder_step(layout, iterator, num_microbatches, forward_only=forward_only)
-        decoupled_flow.produce(samples, grouping, forward_step_func, model, STATE.pool, replica=encoder_replica(),
-                               trainable=trainable, timeout_s=timeout_s, replicas_group=ROLES.groups[ENCODER_REGION],
+        replica = decoupled_flow.grouping_replica(layout, rank) * layout.encoder_dp + encoder_replica()
+        replicas_group = ROLES.groups[ENCODER_REGION] if layout.encoder_dp > 1 else None  # one slice's replicas
+        decoupled_flow.produce(samples, grouping, forward_step_func, model, STATE.pool, replica=replica,
+                               trainable=trainable, timeout_s=timeout_s, replicas_group=replicas_group,
                                max_in_flight=layout.flow_max_in_flight)
         if not trainable and not forward_only and decoupled_flow.next_is_training_step(get_args()):
             decoupled_flow.run_ahead(layout, iterator, num_microbatches)
@@ -197,6 +199,7 @@ def _flow_step(layout: Any, rank: int, role: Any, forward_step_func: Callable, i
     executor = decoupled_flow.backbone_executor(layout, rank, SETTINGS.options)
     result = decoupled_flow.consume(samples, grouping, forward_step_func, model, STATE.pool, stage=role.stage,
                                     trainable=trainable, timeout_s=timeout_s,
+                                    replica=decoupled_flow.grouping_replica(layout, rank),
                                     run=lambda plan, step_func, bindings: run(plan, step_func, bindings, executor))
     return result.forward_data_store, result.total_num_tokens
 

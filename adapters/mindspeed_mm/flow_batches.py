@@ -109,17 +109,24 @@ class StepBatches:
         self.loader_microbatches = [tuple(self._cut(m, batch, image_token_id))
                                     for m, batch in enumerate(self.loader_batches)]
         self.microbatches = self.loader_microbatches
-        self._batches: list[dict] | None = self.loader_batches
+        self._joined: dict[int, dict] | None = None  # after :meth:`repack`: the microbatches joined so far
         self._multiple = 1
 
     @property
     def batches(self) -> list[dict]:
-        """The backbone's microbatches (joined on first use after :meth:`repack`: an encoder
-        rank, which only needs :meth:`encoder_input`, never joins them)."""
-        if self._batches is None:
+        """The backbone's microbatches (see :meth:`batch`)."""
+        return [self.batch(m) for m in range(len(self.microbatches))]
+
+    def batch(self, m: int) -> dict:
+        """The backbone's microbatch ``m``: the loader's, or after :meth:`repack` joined on
+        first use (an encoder rank, which only needs :meth:`encoder_input`, never joins one;
+        a backbone replica joins only the microbatches it trains)."""
+        if self._joined is None:
+            return self.loader_batches[m]
+        if m not in self._joined:
             keys = set().union(*(batch.keys() for batch in self.loader_batches))
-            self._batches = [self._join(m, group, self._multiple, keys) for m, group in enumerate(self.microbatches)]
-        return self._batches
+            self._joined[m] = self._join(m, self.microbatches[m], self._multiple, keys)
+        return self._joined[m]
 
     def encoder_input(self, metas: Sequence[SampleMeta]) -> dict[str, Any]:
         """The encoder's input for these samples (see the module)."""
@@ -165,7 +172,7 @@ class StepBatches:
         ``multiple`` tokens as the loader pads its packs; a pack holds the keys the step's
         batches hold (``sample_ids`` only when they have them)."""
         self.microbatches = [tuple(int(s) for s in group) for group in microbatches]
-        self._batches, self._multiple = None, multiple
+        self._joined, self._multiple = {}, multiple
 
     def _join(self, m: int, group: tuple[int, ...], multiple: int, keys: set) -> dict[str, Any]:
         if not group:

@@ -18,7 +18,8 @@ consecutive; then the backbone, slice by slice, stage by stage, TP ranks consecu
 Megatron's ``order="tp-cp-ep-pp-dp"`` when the encoder ranks fill whole blocks of
 ``backbone_tp * backbone_pp`` ranks (:meth:`megatron_parallel_kwargs` checks it).
 With ``backbone_dp > 1`` each slice trains its own share of the global batch
-(:meth:`microbatches`) with its own pool namespace; after the step each role averages its
+(:meth:`microbatches`) with its own pool namespace (one pool for all under
+:attr:`deals_over_slices`); after the step each role averages its
 gradients over its own data-parallel replicas (:mod:`.grads`).
 
 The sizes are the layout; the layer counts only weigh the plan's costs and come from the
@@ -81,7 +82,8 @@ class DecoupledLayout:
         flow_repack: under ``flow``, the backbone's microbatches are made by the flow's scheduler
             from the step's samples (best-fit by the LLM's cost model, the job's microbatch count,
             zig-zag over the pipeline stages: :func:`mindspeed_flow.flow.group_step`) instead
-            of being the data loader's packs.
+            of being the data loader's packs; with several backbone replicas, the samples of
+            every slice's step together, dealt over PP x DP (:attr:`deals_over_slices`).
     """
 
     encoder_dp: int = 1
@@ -111,6 +113,14 @@ class DecoupledLayout:
                               f"{self.flow_max_in_flight}")
         if self.flow_repack and not self.flow:
             raise LayoutError("DecoupledLayout: flow_repack regroups the flow's samples: it needs flow")
+
+    @property
+    def deals_over_slices(self) -> bool:
+        """Whether the flow's scheduler deals each step's samples over every backbone replica
+        (``flow_repack`` with ``backbone_dp > 1``): the slices gather each other's samples,
+        a sample may be encoded in one slice and trained in another, so the slices share one
+        pool (one namespace) instead of a pool each."""
+        return self.flow_repack and self.backbone_dp > 1
 
     # ------------------------------------------------------------------ placement
 

@@ -49,9 +49,11 @@ def job_pool_name() -> str:
 def open_slice_pool(backend: str, layout: Any, groups: dict, name: str, capacity_bytes: int,
                     **options: Any) -> Any:
     """This rank's view of its slice's pool under a ``DecoupledLayout`` (``None`` on ranks
-    whose programs have no pool transfer: backbone stages after the first).  The TP leaders
-    of the slice's encoder replicas and first backbone stage open it; their TP peers see it
-    through :class:`~.tensor_parallel.TensorParallelPool`.  Collective over the world."""
+    whose programs have no pool transfer: backbone stages after the first): ``<name>-b<slice>``,
+    or ``<name>-b`` for every slice when the layout ``deals_over_slices`` (a sample encoded in
+    one slice may be trained in another).  The TP leaders of the slice's encoder replicas and
+    first backbone stage open it; their TP peers see it through
+    :class:`~.tensor_parallel.TensorParallelPool`.  Collective over the world."""
     import torch.distributed as dist
 
     from . import open_pool
@@ -66,7 +68,7 @@ def open_slice_pool(backend: str, layout: Any, groups: dict, name: str, capacity
         return None
     pool = None
     if rank == leader:
-        slice_name = f"{name}-b{replica}"
+        slice_name = f"{name}-b" if layout.deals_over_slices else f"{name}-b{replica}"
         extra = {"name": slice_name, "group": groups["pool"]} if backend == "torch" else \
             {"name": slice_name, "owner": f"rank{rank}"}
         pool = open_pool(backend, capacity_bytes=capacity_bytes, **extra, **options)

@@ -92,8 +92,11 @@ def main() -> None:
     role = layout.role(rank)
     replica = layout.replica(rank)
     samples = [driver.sample_tensors(spec) for spec in driver.JOB["samples"]]
-    if driver.JOB.get("packs"):  # the slice's packs, as the packing loader hands them (one backbone replica)
-        batches = [driver.packed_batch([samples[i] for i in pack]) for pack in driver.JOB["packs"]]
+    packs = driver.JOB.get("packs")  # the slice's packs, as the packing loader hands them
+    if packs and isinstance(packs[0][0], list):  # several backbone replicas: each slice's own
+        packs = packs[replica]
+    if packs:
+        batches = [driver.packed_batch([samples[i] for i in pack]) for pack in packs]
     else:
         batches = [samples[i] for i in layout.microbatches(replica, len(samples))]
     config = get_model_config(model[0])

@@ -31,11 +31,12 @@ SHM = Path("/dev/shm")
 
 
 def start_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str,
-                    die: dict | None = None, packs: list[list[int]] | None = None) -> tuple[int, str, int]:
+                    die: dict | None = None, packs: list | None = None) -> tuple[int, str, int]:
     """``decoupled_driver.py`` under torchrun on ``layout``'s world, with the plugin and
     ``--flow-pool-backend backend``: its return code, output and world size.  ``packs``: the
-    slice's microbatches as packs of these samples (indices; one backbone replica), as the
-    packing loader hands them, instead of one sample a microbatch."""
+    slice's microbatches as packs of these samples (indices: one backbone replica; a list of
+    them per slice: several), as the packing loader hands them, instead of one sample a
+    microbatch."""
     workdir.mkdir(parents=True, exist_ok=True)
     model_json = workdir / "model.json"
     model_json.write_text(json.dumps(job.model_json(), indent=1))
@@ -57,7 +58,7 @@ def start_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: 
 
 
 def run_decoupled(job: Job, layout: dict, workdir: Path, load: Path, backend: str,
-                  packs: list[list[int]] | None = None) -> list[dict]:
+                  packs: list | None = None) -> list[dict]:
     """:func:`start_decoupled`, which must succeed; every rank's result and gradients."""
     returncode, output, world = start_decoupled(job, layout, workdir, load, backend, packs=packs)
     if returncode != 0:

@@ -38,7 +38,7 @@ import pytest
 
 from harness import Job, sample_specs
 from test_real_job_decoupled import assert_equals_upstream, assert_no_pool_left, assert_roles, run_decoupled
-from test_real_job_flow import FROZEN_VIT, _fed_by_iteration, _ran_ahead, _tags, one_step_layout
+from test_real_job_flow import FROZEN_VIT, _fed_by_iteration, _ran_ahead, _tags, one_step_layout, plain4  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 REPACK_LAYOUT_FILE = HERE / "flow_repack_layout.yaml"
@@ -70,6 +70,37 @@ def test_repacked_flow_step_equals_upstream(runs, tmp_path):
     # the flow numbers the step's samples by their packs' segments: the packs [0, 2] [1] hold ids
     # [0, 1] [2], and [0, 1] [2] of the driver's samples are ids [0, 2] [1]
     assert as_sets(json.loads(groupings.pop())) == {frozenset({0, 2}), frozenset({1})}
+
+
+def test_two_slices_deal_each_others_samples_and_the_step_equals_upstream(plain4, tmp_path):  # noqa: F811
+    """LLM PP=1 x DP=2, one ViT rank per slice (4 ranks), ``flow_repack``: slice 0's loader
+    hands it the packs ``[0] [1]``, slice 1's ``[2] [3]`` (the step's sample ids number both
+    slices' samples, slice by slice).  Every rank gathers both slices' packs and makes the
+    same grouping, dealt over the two replicas by the LLM's cost: some sample read by one
+    slice is trained by the other, some sample is encoded by the other slice's ViT rank than
+    the one that trains it (through the pool the slices share); each first stage takes
+    exactly its replica's samples; the loss and every gradient equal upstream's step over the
+    4 samples (per-token loss: the grouping does not change them)."""
+    job, plain = plain4
+    layout = {**one_step_layout(), "backbone_pp": 1, "backbone_dp": 2, "flow_repack": True}
+    results = run_decoupled(job, layout, tmp_path / "flow_dp2_repack", plain.initial_weights, "shm",
+                            packs=[[[0], [1]], [[2], [3]]])
+    assert_roles(results, layout, "shm")
+    assert_equals_upstream(plain, results)
+    keys = ("microbatches", "microbatch_replica", "batches", "batch_replica")
+    made = {json.dumps({k: r["flow"][k] for k in keys}) for r in results}
+    assert len(made) == 1, made  # every rank of both slices made the same grouping
+    flow = json.loads(made.pop())
+    trained_by = {s: r for mb, r in zip(flow["microbatches"], flow["microbatch_replica"]) for s in mb}
+    encoded_by = {s: r for b, r in zip(flow["batches"], flow["batch_replica"]) for s in b}
+    read_by = {0: 0, 1: 0, 2: 1, 3: 1}
+    assert sorted(trained_by) == sorted(encoded_by) == [0, 1, 2, 3]  # each sample once, on each side
+    assert [s for s in read_by if trained_by[s] != read_by[s]], flow  # the deal moved samples between slices
+    assert [s for s in read_by if encoded_by[s] != trained_by[s]], flow  # taken from the other slice's ViT rank
+    for r in results:
+        if r["region"] == "llm":
+            assert r["flow"]["replica"] == r["replica"]
+            assert r["flow"]["taken"] == sum(1 for s in trained_by.values() if s == r["replica"]), r["rank"]
 
 
 def _repacks(output: str) -> dict[int, tuple[list, list]]:
