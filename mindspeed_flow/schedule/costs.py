@@ -71,6 +71,10 @@ class RegionCost:
         stored_bytes: activations kept for the backward pass.
         param_bytes: parameters (broadcast, gradient reduce of replicated regions).
         jitter: per-microbatch forward time, for an encoder whose load varies.
+        overhead: fixed seconds every forward or backward action of the region pays on top
+            of its scaled compute, whatever the microbatch (the runtime's per-action work:
+            the executor's bookkeeping, the forward step's Python, a kernel launch); not
+            scaled by ``microbatch_scale`` nor by a stage's share of the region.
     """
 
     forward: float = 0.0
@@ -81,6 +85,7 @@ class RegionCost:
     stored_bytes: float = 0.0
     param_bytes: float = 0.0
     jitter: Jitter | None = None
+    overhead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ class CostTable:
                  Kind.BACKWARD_WEIGHT: cost.backward_ratio - cost.input_grad_ratio}[action.kind]
         if action.kind is not Kind.FORWARD and visit.backward_rank is not None:
             ratio += 1.0  # the backward runs away from its forward: the forward is recomputed
-        return base * ratio * visit.share
+        return base * ratio * visit.share + cost.overhead
 
     def transfer_seconds(self, action: Action) -> float:
         """Time of a receive, a pool get, or a collective over its group."""

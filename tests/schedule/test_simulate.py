@@ -36,6 +36,22 @@ def test_1f1b_step_time_bubble_and_memory_match_the_closed_form():
     assert result.peak_bytes[0] == pytest.approx(4 * 2**30)  # 4 microbatches x a quarter each
 
 
+def test_per_action_overhead_is_paid_once_per_compute_whatever_its_scale_or_share():
+    # Every forward (1 s a stage) and backward (2 s) of 1F1B pays the overhead: each of the
+    # microbatches + stages - 1 slots of the closed form grows by two overheads.
+    stages, microbatches, overhead = 4, 8, 0.25
+    costs = CostTable({"llm": RegionCost(forward=4.0, overhead=overhead)})
+    result = simulate(compose([Region("llm", 8, OneFOneB(stages=stages))], microbatches), costs)
+    assert result.step_time == pytest.approx((microbatches + stages - 1) * (3.0 + 2 * overhead))
+    assert result.busy[0] == pytest.approx(microbatches * (3.0 + 2 * overhead))
+    # Not scaled by a microbatch's cost: microbatch m's compute is m times the forward, plus the overhead.
+    scaled = CostTable({"llm": RegionCost(forward=1.0, overhead=overhead)}, microbatch_scale=lambda region, m: m)
+    one_rank = simulate(compose([Region("llm", 1, OneFOneB(stages=1))], 4), scaled)
+    assert one_rank.step_time == pytest.approx(3.0 * (0 + 1 + 2 + 3) + 2 * 4 * overhead)
+    assert [i.end - i.start for i in one_rank.intervals if i.action.kind is Kind.FORWARD] == pytest.approx(
+        [m + overhead for m in range(4)])
+
+
 def test_gpipe_has_the_same_step_but_holds_every_microbatch():
     result = simulate(compose([Region("llm", 8, GPipe(stages=4))], 8), FOUR_STAGES)
     assert result.step_time == pytest.approx(33.0)
