@@ -27,7 +27,13 @@ barrier; :func:`predicted_frozen_flow`), ``DecoupledLayout.plan`` + ``simulate``
 replicas' summed compute (stage0-pp1, no pipeline).  Pool gets cost a fixed per-transfer
 time measured here first (``transfer_overhead``: announce, put, ready, get, release of one
 small entry through the ``shm`` pool) plus their bytes; the flow's per sample, lockstep's
-per microbatch.
+per microbatch.  The runtime's own costs are measured here first too (``runtime_costs``: a
+2-stage pipeline of one microbatch run by the executor on two ranks): every forward and
+backward pays the per-action overhead on top of its injected time (``RegionCost.overhead``),
+every stage-to-stage transfer the measured transfer time (``Link.latency``).  Each rank
+collects and freezes its setup's objects before its first step (``gc.freeze``), every
+layout alike, so that no full collection of them lands in a measured step; the collections
+left are printed.
 
     python scripts/bench_flow.py                 # trainable and frozen ViT; PNG + JSON under outputs/bench_flow/
     python scripts/bench_flow.py --vit-us 100 --backbone 1x2 --out outputs/bench_flow_vit
@@ -41,6 +47,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -157,25 +164,49 @@ def forward_step(data_iterator, model):
 # ----------------------------------------------------------------------------- ranks
 
 
-def worker(rank: int, world: int, args: argparse.Namespace, layout: str, frozen: bool, name: str) -> list[float]:
-    """Step times on this rank (barrier to barrier), ``args.steps + 1`` steps (the first warms up)."""
+def worker(rank: int, world: int, args: argparse.Namespace, layout: str, frozen: bool,
+           name: str) -> tuple[list[float], list[float]]:
+    """Step times on this rank (barrier to barrier), ``args.steps + 1`` steps (the first warms
+    up), and the seconds of each garbage collection during the measured steps.
+
+    Every layout's rank collects and freezes what its setup built (``gc.freeze``: imports,
+    models, pools) before its first step, as Megatron's ``--manual-gc`` keeps collections
+    out of the step: otherwise a full (generation 2) collection walks all of it, 50-80 ms,
+    and it fell on the flow's first measured step in session 13's traces.  Collections of a
+    step's own garbage still run, and are counted."""
+    import gc
+
     import torch.distributed as dist
 
     groupings = [grouping(args, step) for step in range(args.steps + 2)]
     run = {"flow": _flow_rank, "lockstep": _lockstep_rank, "stage0-pp2": _stage0_rank,
            "stage0-pp1": _stage0_rank}[layout]
     state = run(rank, args, layout, frozen, name, groupings)
+    gc.collect()
+    gc.freeze()
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            pauses.append(time.perf_counter() - started[0])
+
     times = []
     for step in range(args.steps + 1):
         dist.barrier()
+        if step == 1:
+            gc.callbacks.append(timed)
         start = time.monotonic()
         state(step)
         dist.barrier()
         times.append(time.monotonic() - start)
+    gc.callbacks.remove(timed)
     closer = getattr(state, "close", None)
     if closer is not None:
         closer()
-    return times
+    return times, pauses
 
 
 def _flow_rank(rank, args, layout, frozen, name, groupings):
@@ -313,20 +344,33 @@ def _stage0_rank(rank, args, layout, frozen, name, groupings):
 # ----------------------------------------------------------------------------- the simulator
 
 
+def region_costs(args: argparse.Namespace, frozen: bool) -> tuple[RegionCost, RegionCost]:
+    """The ViT's and the LLM's costs per unit of the per-microbatch seconds (``forward=1``,
+    scaled by each group's cost), both ``[ROWS, DIM]`` fp32 activations, every compute action
+    paying the runtime's per-action overhead that :func:`runtime_costs` measured."""
+    vit = RegionCost(forward=1.0, backward_ratio=2.0, input_grad_ratio=0.0 if frozen else 1.0,
+                     output_bytes=ROWS * DIM * 4, overhead=args.action_s)
+    return vit, RegionCost(forward=1.0, backward_ratio=2.0, output_bytes=ROWS * DIM * 4, overhead=args.action_s)
+
+
+def links(args: argparse.Namespace) -> tuple[Link, Link]:
+    """The stage-to-stage link (one transfer's seconds, :func:`runtime_costs`) and the pool's
+    (one transfer's fixed cost, :func:`transfer_overhead`; bytes are free on one host)."""
+    return Link(latency=args.link_s), Link(latency=args.transfer_s)
+
+
 def predicted(args: argparse.Namespace, layout: str, frozen: bool, step: int) -> float:
     """The simulator's step time of ``step`` (a frozen flow: see :func:`predicted_frozen_flow`)."""
     g = grouping(args, step)
     llm, encoder = models(args)
     vit_f, llm_f = seconds(args, g)
-    vit_cost = RegionCost(forward=1.0, backward_ratio=2.0, input_grad_ratio=0.0 if frozen else 1.0,
-                          output_bytes=ROWS * DIM * 4)
-    pool = Link(latency=args.transfer_s)  # one pool transfer's fixed cost, measured by transfer_overhead()
+    vit_cost, llm_cost = region_costs(args, frozen)
+    link, pool = links(args)
     if layout == "flow":
         plan = compose_flow(g, trainable_encoder=not frozen)
         return simulate(plan, flow_costs(g, llm_cost=llm, encoder_cost=encoder, encoder=vit_cost,
-                                         backbone=RegionCost(backward_ratio=2.0), pool=pool,
-                                         token_bytes=DIM * 4)).step_time
-    table = CostTable({"vit": vit_cost, "llm": RegionCost(forward=1.0, backward_ratio=2.0)}, pool=pool,
+                                         backbone=llm_cost, link=link, pool=pool, token_bytes=DIM * 4)).step_time
+    table = CostTable({"vit": vit_cost, "llm": llm_cost}, link=link, pool=pool,
                       microbatch_scale=lambda region, m: vit_f[m] if region == "vit" else llm_f[m])
     if layout == "lockstep":  # each backbone replica's slice: the flow's replica's microbatches
         lockstep = decoupled(args)
@@ -334,20 +378,20 @@ def predicted(args: argparse.Namespace, layout: str, frozen: bool, step: int) ->
         times = []
         for d in range(dp):
             mine = [m for m in range(args.microbatches) if m % dp == d]
-            local = CostTable(table.regions, pool=pool, microbatch_scale=lambda region, m, mine=mine:
+            local = CostTable(table.regions, link=link, pool=pool, microbatch_scale=lambda region, m, mine=mine:
                               vit_f[mine[m]] if region == "vit" else llm_f[mine[m]])
             times.append(simulate(lockstep.plan(len(mine), trainable_encoder=not frozen), local).step_time)
         return max(times)
     vit_b = 0.0 if frozen else 2.0
-    if layout == "stage0-pp1":
-        return max(sum(vit_f[m] * (1 + vit_b) + 3 * llm_f[m] for m in range(args.microbatches) if m % 4 == d)
-                   for d in range(4))
+    if layout == "stage0-pp1":  # no executor: a forward and a backward per microbatch, each paying the overhead
+        return max(sum(vit_f[m] * (1 + vit_b) + 3 * llm_f[m] + 2 * args.action_s
+                       for m in range(args.microbatches) if m % 4 == d) for d in range(4))
     times = []
     for d in range(2):
         mine = [m for m in range(args.microbatches) if m % 2 == d]
         sk = OneFOneB(stages=2)
         plan = compose([Region("vit", 1, sk, trainable=not frozen), Region("llm", 2, sk)], len(mine))
-        local = CostTable(table.regions, microbatch_scale=lambda region, m, mine=mine:
+        local = CostTable(table.regions, link=link, microbatch_scale=lambda region, m, mine=mine:
                           vit_f[mine[m]] if region == "vit" else llm_f[mine[m]])
         times.append(simulate(plan, local).step_time)
     return max(times)
@@ -371,12 +415,13 @@ def predicted_frozen_flow(args: argparse.Namespace, path: Path | None = None) ->
     ``path``: the Gantt chart of the whole run as ``compose_flow_steps`` (no boundary)."""
     llm, encoder = models(args)
     groupings = [grouping(args, step) for step in range(args.steps + 1)]
-    vit_cost = RegionCost(forward=1.0, backward_ratio=2.0, input_grad_ratio=0.0, output_bytes=ROWS * DIM * 4)
+    vit_cost, llm_cost = region_costs(args, frozen=True)
+    link, pool = links(args)
+    encoded = replace(vit_cost, overhead=0.0)  # forwards the previous step ran: nothing to pay in this one
 
-    def run(plan, steps, encoder_cost):
-        return simulate(plan, flow_costs(steps, llm_cost=llm, encoder_cost=encoder_cost, encoder=vit_cost,
-                                         backbone=RegionCost(backward_ratio=2.0), pool=Link(latency=args.transfer_s),
-                                         token_bytes=DIM * 4))
+    def run(plan, steps, encoder_cost, encoder_region=vit_cost):
+        return simulate(plan, flow_costs(steps, llm_cost=llm, encoder_cost=encoder_cost, encoder=encoder_region,
+                                         backbone=llm_cost, link=link, pool=pool, token_bytes=DIM * 4))
 
     if path is not None:
         whole = run(compose_flow_steps(groupings, trainable_encoder=False), groupings, encoder)
@@ -385,7 +430,7 @@ def predicted_frozen_flow(args: argparse.Namespace, path: Path | None = None) ->
     times = []
     for k in range(1, args.steps + 1):
         g = groupings[k]
-        backbone = run(compose_flow(g, trainable_encoder=False), g, EncoderCost()).step_time
+        backbone = run(compose_flow(g, trainable_encoder=False), g, EncoderCost(), encoded).step_time
         ahead = 0.0
         if k < args.steps:
             following = grouping(args, k + 1)
@@ -421,21 +466,65 @@ def transfer_overhead(args: argparse.Namespace, count: int = 300) -> float:
         destroy(name)
 
 
+PROBE_S = 2e-3  # the probe's injected forward seconds (backward twice that)
+PROBE_STEPS = 40
+
+
+def _runtime_probe(rank: int, world: int) -> list[tuple[float, float, float, float]]:
+    """Rank ``rank`` of a 2-stage pipeline of one microbatch (``F s0 -> F s1, B s1 -> B s0``)
+    run by the executor with the bench's :class:`Chunk`: per measured step, this rank's
+    forward and backward stamps' (start, end) as ``(f_start, f_end, b_start, b_end)``."""
+    import torch.distributed as dist
+
+    chunk = Chunk(lambda item: PROBE_S, reads_input=True)
+    plan = compose([Region("llm", 2, OneFOneB(stages=2))], 1)
+    executor = Executor(rank, [0, 1])
+    out = []
+    for step in range(PROBE_STEPS + 1):
+        dist.barrier()
+        stamps = executor.run(plan, forward_step, {("llm", rank): Binding(chunk, iter([0]))}).timeline.stamps
+        forward, backward = (next(s for s in stamps if s.action.kind.value == kind) for kind in ("F", "B"))
+        if step:  # the first step warms up
+            out.append((forward.start, forward.end, backward.start, backward.end))
+    return out
+
+
+def runtime_costs() -> tuple[float, float]:
+    """The runtime's costs that the injected compute leaves out, measured here first on two
+    ranks of a 2-stage pipeline (the executor, the bench's :class:`Chunk`, gloo on
+    loopback): (a forward or backward action's seconds beyond its injected time: the
+    executor's per-action work, the forward step and loss, autograd, the sleep's overshoot;
+    one stage-to-stage transfer's seconds: from the end of the sender's compute to the start
+    of the receiver's, its send and receive actions included).  Medians over the probe's
+    steps; both ranks read the same monotonic clock.  The simulator charges the first to
+    every compute action (``RegionCost.overhead``) and the second to every point-to-point
+    transfer (``Link.latency``)."""
+    first, last = launch(_runtime_probe, 2, timeout_s=120)
+    excess, transfer = [], []
+    for (f0, f0_end, b0, b0_end), (f1, f1_end, b1, b1_end) in zip(first, last):
+        excess += [f0_end - f0 - PROBE_S, f1_end - f1 - PROBE_S, b1_end - b1 - 2 * PROBE_S, b0_end - b0 - 2 * PROBE_S]
+        transfer += [f1 - f0_end, b0 - b1_end]
+    return statistics.median(excess), statistics.median(transfer)
+
+
 def measure(args: argparse.Namespace, frozen: bool) -> dict:
     rows = {}
     for layout in LAYOUTS:
         name = f"bflow{os.getpid()}-{layout}-{int(frozen)}"
         ranks = launch(worker, WORLD, args, layout, frozen, name, timeout_s=600)
-        per_step = [max(r[k] for r in ranks) for k in range(1, args.steps + 1)]  # slowest rank, warm-up left out
+        per_step = [max(r[0][k] for r in ranks) for k in range(1, args.steps + 1)]  # slowest rank, warm-up left out
+        gc_s = max(sum(r[1]) for r in ranks)  # the rank that spent most in collections, measured steps
         if layout == "flow" and frozen:
             simulated = predicted_frozen_flow(args, args.out / "sim_frozen_flow.png")
         else:
             simulated = statistics.mean(predicted(args, layout, frozen, k) for k in range(1, args.steps + 1))
-        rows[layout] = {"step_s": statistics.mean(per_step), "steps_s": per_step, "simulated_s": simulated}
+        rows[layout] = {"step_s": statistics.mean(per_step), "steps_s": per_step, "simulated_s": simulated,
+                        "gc_s": gc_s}
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's options (its workload, layouts and output)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=24, help="samples per step")
     parser.add_argument("--microbatches", type=int, default=8)
@@ -454,28 +543,37 @@ def main(argv: list[str] | None = None) -> int:
                         f"gets the other of the {WORLD} ranks)")
     parser.add_argument("--vit", choices=("both", "trainable", "frozen"), default="both")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_flow"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     from mindspeed_flow.pool.shm import destroy
 
     results = {}
     args.transfer_s = transfer_overhead(args)
+    args.action_s, args.link_s = runtime_costs()
     print(f"load: {os.getloadavg()}; one pool transfer's fixed cost: {args.transfer_s * 1e6:.0f} us; "
+          f"the runtime's per-action overhead {args.action_s * 1e6:.0f} us, stage-to-stage transfer "
+          f"{args.link_s * 1e6:.0f} us; "
           f"flow/lockstep: {shape(args)[0]} encoder ranks + backbone PP={shape(args)[1]} x DP={shape(args)[2]}")
     try:
         for frozen in {"both": (False, True), "trainable": (False,), "frozen": (True,)}[args.vit]:
             label = "frozen ViT" if frozen else "trainable ViT"
             rows = measure(args, frozen)
             base = min(rows["stage0-pp2"]["step_s"], rows["stage0-pp1"]["step_s"])
-            print(f"\n{label}: step time (mean of {args.steps} measured steps, slowest rank), simulator, ratios")
+            print(f"\n{label}: step time (mean of {args.steps} measured steps, slowest rank), simulator, ratios, "
+                  "garbage collection in the measured steps (the rank with the most)")
             print(f"{'layout':<11} {'step s':>8} {'simulated s':>12} {'sim/meas':>9} {'lockstep/this':>14} "
-                  f"{'best stage0/this':>17}")
+                  f"{'best stage0/this':>17} {'gc ms':>6}")
             for layout, row in rows.items():
                 row["sim_over_measured"] = row["simulated_s"] / row["step_s"]
                 row["speedup_vs_lockstep"] = rows["lockstep"]["step_s"] / row["step_s"]
                 row["speedup_vs_best_stage0"] = base / row["step_s"]
                 print(f"{layout:<11} {row['step_s']:>8.3f} {row['simulated_s']:>12.3f} {row['sim_over_measured']:>9.2f} "
-                      f"{row['speedup_vs_lockstep']:>13.2f}x {row['speedup_vs_best_stage0']:>16.2f}x")
+                      f"{row['speedup_vs_lockstep']:>13.2f}x {row['speedup_vs_best_stage0']:>16.2f}x "
+                      f"{row['gc_s'] * 1e3:>6.1f}")
             results[label] = rows
     finally:
         destroy(f"bflow{os.getpid()}")  # every pool of this run: the name is a prefix
