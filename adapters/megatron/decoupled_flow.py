@@ -130,7 +130,7 @@ def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[An
     from mindspeed_flow.flow.packed import group_packed
 
     batches = [next(iterator) for _ in range(num_microbatches)]
-    replicas = layout.backbone_dp if layout.deals_over_slices else 1  # the backbone replicas the step is dealt over
+    replicas = dealt_replicas(layout)
     if replicas > 1:
         batches = every_slices_batches(layout, batches)
     samples = StepBatches(FLOW.steps, batches, image_token_id())
@@ -161,6 +161,12 @@ def every_slices_batches(layout: Any, batches: list) -> list:
         raise StreamError(f"decoupled.flow: rank {rank} gathered the step's microbatches of slices {order} over its "
                           f"data-parallel group, expected each of the {layout.backbone_dp} slices once, in order")
     return [batch for _, theirs in gathered for batch in theirs]
+
+
+def dealt_replicas(layout: Any) -> int:
+    """The backbone replicas a step's samples are dealt over: every one when the layout
+    ``deals_over_slices``, else the slice's own."""
+    return layout.backbone_dp if layout.deals_over_slices else 1
 
 
 def grouping_replica(layout: Any, rank: int) -> int:
@@ -210,10 +216,11 @@ def encoder_step(layout: Any, iterator: Any, num_microbatches: int, *, forward_o
     if FLOW.ahead is None:
         return step_grouping(layout, iterator, num_microbatches)
     (samples, grouping), FLOW.ahead = FLOW.ahead, None
-    if len(samples.microbatches) != num_microbatches:
-        raise StreamError(f"decoupled.flow: the encoder ran ahead into step {samples.step} "
-                          f"({len(samples.microbatches)} microbatches), but the job's next training step has "
-                          f"{num_microbatches} microbatches (next_is_training_step foresaw it wrong)")
+    held = len(samples.loader_microbatches) // dealt_replicas(layout)  # a slice's
+    if held != num_microbatches:
+        raise StreamError(f"decoupled.flow: the encoder ran ahead into step {samples.step} ({held} microbatches a "
+                          f"slice), but the job's next training step has {num_microbatches} microbatches "
+                          "(next_is_training_step foresaw it wrong)")
     return samples, grouping
 
 

@@ -216,3 +216,68 @@ def test_pretrain_vlm_repacking_with_a_frozen_vit_ahead_at_the_save_resumes_bit_
     assert _tags(enc_resumed[its[k]]) == encoded_ahead + _tags(packs[its[k + 1]])  # encoded again, and ahead again
     assert total(enc_whole) == total(packs)  # uninterrupted: every sample the LLM got, encoded once
     assert total(enc_resumed) == total({i: packs[i] for i in its[k:]})  # after the resume, the same
+
+
+DP2_LAYOUT_FILE = HERE / "flow_repack_dp2_layout.yaml"
+REPLICAS_LOG = re.compile(r"mindspeed-flow flow: step (\d+): the loader's packs (\[.*?\]\]) repacked into "
+                          r"LLM microbatches \[.*?\]\] \(sample ids\) on backbone replicas (\[.*?\])")
+
+
+def _dealt(output: str) -> dict[int, tuple[list, list]]:
+    """Step -> (the loader's packs of both slices, slice 0's first; the backbone replica of
+    each repacked microbatch), as every rank logged them (all the same)."""
+    found: dict[int, set] = {}
+    for step, packs, replicas in REPLICAS_LOG.findall(output):
+        found.setdefault(int(step), set()).add((packs, replicas))
+    assert all(len(v) == 1 for v in found.values()), found
+    return {step: tuple(json.loads(x) for x in next(iter(v))) for step, v in found.items()}
+
+
+@pytest.mark.timeout(1200)
+def test_pretrain_vlm_deals_samples_over_two_slices_with_a_frozen_vit_ahead(real_jobs):
+    """``pretrain_vlm.py`` with ``flow_repack_dp2_layout.yaml`` (two slices: ViT ranks 0, 1,
+    one-stage LLM ranks 2, 3), per-token loss and a frozen ViT, ITERS iterations.  Every rank
+    gathers both slices' packs and logs the same repacking and deal; in some step a sample
+    one slice's loader read is trained by the other slice; in every iteration no sample
+    reaches the two LLM ranks twice, and over the run the two ViT ranks together encode
+    exactly the samples the LLM ranks are fed (once each, through the pool both slices
+    share); the ViT ranks run ahead into the next step after every step but the last (their
+    gather of the next step is a collective of their own), step K + 1's samples encoded
+    during step K.  (No checkpoint here: the decoupled layout refuses ``--save`` with a
+    one-stage backbone, whose files would share the encoder's names; each slice's loader
+    position is what a checkpoint holds, and the single-slice test above resumes it.)"""
+    from realjob import RealJob
+    from test_real_job import FLOW, PER_TOKEN, assert_finished
+
+    run = real_jobs.run("flow_repack_dp2_frozen", RealJob(
+        pp=1, world_size=4, iters=ITERS, extra_args=PER_TOKEN, timeout_s=600, model_patch=FROZEN_VIT,
+        plugin=FLOW + ("--flow-schedule-config", str(DP2_LAYOUT_FILE))))
+    assert_finished(run, last=ITERS)
+    dealt = _dealt(run.output)
+    repacks = _repacks(run.output)
+    assert sorted(dealt) == sorted(repacks) == list(range(ITERS)), run.output[-3000:]
+    moved = []
+    for step, (packs, replicas) in dealt.items():
+        assert len(replicas) == len(packs) and sorted(set(replicas)) == [0, 1], step
+        read_by = {s: p * 2 // len(packs) for p, pack in enumerate(packs) for s in pack}  # slice 0's packs first
+        trained_by = {s: r for mb, r in zip(repacks[step][1], replicas) for s in mb}
+        assert sorted(trained_by) == sorted(read_by), step  # every sample of both slices once
+        moved += [(step, s) for s in read_by if trained_by[s] != read_by[s]]
+    assert moved, "no sample was trained by another slice than the one that read it"
+    ahead = _ran_ahead(run.output)  # the ViT ranks log the same steps
+    assert sorted(ahead) == list(range(ITERS - 1)), run.output[-3000:]
+    fed = {rank: _fed_by_iteration(run, rank) for rank in range(4)}
+    its = sorted(fed[2])
+    assert len(its) == ITERS and sorted(fed[3]) == its
+
+    def both(ranks: tuple, i: int) -> Counter:
+        return sum((_tags(fed[r].get(i, [])) for r in ranks), Counter())
+
+    for i in its:
+        assert not [t for t, n in both((2, 3), i).items() if n > 1], i  # no sample twice in a step
+    for i, j in zip(its, its[1:]):
+        assert both((0, 1), i) - both((2, 3), i) - both((2, 3), j) == Counter(), i  # this step's or the next's
+    assert sum((both((0, 1), i) for i in its), Counter()) == \
+        sum((both((2, 3), i) for i in its), Counter())  # every sample trained was encoded once
+    assert both((0, 1), its[0]) - both((2, 3), its[0]), "the ViT ranks encoded nothing ahead in the first step"
+    assert_no_pool_left(run.output)

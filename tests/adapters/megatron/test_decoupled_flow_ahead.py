@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mindspeed_flow.decoupled import DecoupledLayout
 from mindspeed_flow.adapters.megatron import decoupled_flow
 from mindspeed_flow.flow import EmbeddingProducer, EncoderCost, SampleMeta, group_step
 from mindspeed_flow.flow.errors import StreamError
@@ -50,15 +51,18 @@ class HeldStep:
     """A step's samples as :func:`decoupled_flow.run_ahead` holds them (its microbatches)."""
 
     def __init__(self, step: int, microbatches: int) -> None:
-        self.step, self.microbatches = step, [()] * microbatches
+        self.step, self.loader_microbatches = step, [()] * microbatches
 
 
-def test_a_step_read_ahead_is_refused_to_a_training_step_of_another_count(monkeypatch):
-    monkeypatch.setattr(decoupled_flow, "FLOW", decoupled_flow.FlowState(steps=4, ahead=(HeldStep(3, 4), "grouping")))
+@pytest.mark.parametrize("slices, held", [(1, 4), (2, 8)])
+def test_a_step_read_ahead_is_refused_to_a_training_step_of_another_count(monkeypatch, slices, held):
+    """Counted a slice: a layout that deals over 2 slices held both slices' microbatches."""
+    monkeypatch.setattr(decoupled_flow, "FLOW", decoupled_flow.FlowState(steps=4, ahead=(HeldStep(3, held), "grouping")))
+    layout = DecoupledLayout(backbone_dp=slices, flow=True, flow_repack=True)
     with pytest.raises(StreamError) as refused:
-        decoupled_flow.encoder_step(None, iter(()), 2, forward_only=False)
-    assert str(refused.value).startswith("decoupled.flow: the encoder ran ahead into step 3 (4 microbatches), but "
-                                         "the job's next training step has 2 microbatches")
+        decoupled_flow.encoder_step(layout, iter(()), 2, forward_only=False)
+    assert str(refused.value).startswith("decoupled.flow: the encoder ran ahead into step 3 (4 microbatches a slice), "
+                                         "but the job's next training step has 2 microbatches")
 
 
 def test_an_evaluation_where_the_step_read_ahead_was_expected_drops_it(monkeypatch):
@@ -88,5 +92,5 @@ def test_an_evaluation_where_the_step_read_ahead_was_expected_drops_it(monkeypat
 def test_the_step_read_ahead_is_the_next_call_s_without_reading_the_iterator(monkeypatch):
     held = HeldStep(3, 4)
     monkeypatch.setattr(decoupled_flow, "FLOW", decoupled_flow.FlowState(steps=4, ahead=(held, "grouping")))
-    assert decoupled_flow.encoder_step(None, iter(()), 4, forward_only=False) == (held, "grouping")
+    assert decoupled_flow.encoder_step(DecoupledLayout(flow=True), iter(()), 4, forward_only=False) == (held, "grouping")
     assert decoupled_flow.FLOW.ahead is None and decoupled_flow.FLOW.steps == 4
