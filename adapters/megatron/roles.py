@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
+from mindspeed_flow.decoupled.layout import MEGATRON_ORDER
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,10 @@ def _to_global(value: Any, ranks: tuple[int, ...]) -> Any:
 
 def initialize_model_parallel_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Megatron's ``initialize_model_parallel`` once per role (see the module docstring);
-    the role's TP / PP replace the ones passed; then the runtime's cross-role groups."""
+    the role's TP / PP replace the ones passed, and the backbone's pass runs in Megatron's
+    ``tp-cp-ep-pp-dp`` order (``--use-tp-pp-dp-mapping``'s): the layout places each backbone
+    replica's stages on consecutive ranks, which Megatron's default ``...-dp-pp`` order would
+    pipeline across replicas once both PP and DP exceed 1; then the runtime's cross-role groups."""
     layout = ROLES.layout
     if layout is None:
         return wrapped(*args, **kwargs)
@@ -153,6 +157,8 @@ def initialize_model_parallel_wrapper(wrapped: Callable, instance: Any, args: tu
     kept: dict[str, Any] | None = None
     for role in role_configs(layout):
         options.update(tensor_model_parallel_size=role.tp, pipeline_model_parallel_size=role.pp)
+        if role.region == BACKBONE_REGION:  # each replica's stages consecutive, as the layout places them
+            options["order"] = MEGATRON_ORDER
         with role_world(role, rank):
             wrapped(**options)
         if rank in role.ranks:

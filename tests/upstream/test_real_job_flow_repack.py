@@ -233,29 +233,31 @@ def _dealt(output: str) -> dict[int, tuple[list, list]]:
     return {step: tuple(json.loads(x) for x in next(iter(v))) for step, v in found.items()}
 
 
-@pytest.mark.timeout(1200)
-def test_pretrain_vlm_deals_samples_over_two_slices_with_a_frozen_vit_ahead(real_jobs):
+@pytest.mark.timeout(1800)
+def test_pretrain_vlm_deals_samples_over_two_slices_and_resumes_bit_for_bit(real_jobs):
     """``pretrain_vlm.py`` with ``flow_repack_dp2_layout.yaml`` (two slices: ViT ranks 0, 1,
-    one-stage LLM ranks 2, 3), per-token loss and a frozen ViT, ITERS iterations.  Every rank
-    gathers both slices' packs and logs the same repacking and deal; in some step a sample
-    one slice's loader read is trained by the other slice; in every iteration no sample
-    reaches the two LLM ranks twice, and over the run the two ViT ranks together encode
-    exactly the samples the LLM ranks are fed (once each, through the pool both slices
-    share); the ViT ranks run ahead into the next step after every step but the last (their
-    gather of the next step is a collective of their own), step K + 1's samples encoded
-    during step K.  (No checkpoint here: the decoupled layout refuses ``--save`` with a
-    one-stage backbone, whose files would share the encoder's names; each slice's loader
-    position is what a checkpoint holds, and the single-slice test above resumes it.)"""
+    two-stage LLMs on ranks 2-3 and 4-5), per-token loss and a frozen ViT, RESUME_ITERS
+    iterations, saving at RESUME_K without stopping.  Every rank gathers both slices' packs
+    and logs the same repacking and deal over the 2 x 2 stages; in some step a sample one
+    slice's loader read is trained by the other slice; in every iteration no sample reaches
+    the two first stages twice, each slice's two stages are fed the same microbatches, and
+    over the run the two ViT ranks together encode exactly the samples the LLM is fed (once
+    each, through the pool both slices share); the ViT ranks run ahead into the next step
+    after every step but the last (their gather of the next step is a collective of their
+    own), step K + 1's samples encoded during step K.  Resumed from RESUME_K
+    (``--ckpt-step``): losses, consumed samples, every LLM rank's fed samples and every
+    step's repacking and deal bit for bit as the saving run; the samples encoded ahead at the
+    save are encoded again, and after the resume each sample is encoded once."""
     from realjob import RealJob
     from test_real_job import FLOW, PER_TOKEN, assert_finished
 
-    run = real_jobs.run("flow_repack_dp2_frozen", RealJob(
-        pp=1, world_size=4, iters=ITERS, extra_args=PER_TOKEN, timeout_s=600, model_patch=FROZEN_VIT,
-        plugin=FLOW + ("--flow-schedule-config", str(DP2_LAYOUT_FILE))))
-    assert_finished(run, last=ITERS)
-    dealt = _dealt(run.output)
-    repacks = _repacks(run.output)
-    assert sorted(dealt) == sorted(repacks) == list(range(ITERS)), run.output[-3000:]
+    iters, k = RESUME_ITERS, RESUME_K
+    base = RealJob(pp=2, world_size=6, iters=iters, extra_args=PER_TOKEN, timeout_s=900, model_patch=FROZEN_VIT,
+                   plugin=FLOW + ("--flow-schedule-config", str(DP2_LAYOUT_FILE)))
+    whole = real_jobs.run("flow_repack_dp2_frozen_save", replace(base, save="ckpt", save_interval=k))
+    assert_finished(whole, last=iters)
+    dealt, repacks = _dealt(whole.output), _repacks(whole.output)
+    assert sorted(dealt) == sorted(repacks) == list(range(iters)), whole.output[-3000:]
     moved = []
     for step, (packs, replicas) in dealt.items():
         assert len(replicas) == len(packs) and sorted(set(replicas)) == [0, 1], step
@@ -264,20 +266,32 @@ def test_pretrain_vlm_deals_samples_over_two_slices_with_a_frozen_vit_ahead(real
         assert sorted(trained_by) == sorted(read_by), step  # every sample of both slices once
         moved += [(step, s) for s in read_by if trained_by[s] != read_by[s]]
     assert moved, "no sample was trained by another slice than the one that read it"
-    ahead = _ran_ahead(run.output)  # the ViT ranks log the same steps
-    assert sorted(ahead) == list(range(ITERS - 1)), run.output[-3000:]
-    fed = {rank: _fed_by_iteration(run, rank) for rank in range(4)}
+    ahead = _ran_ahead(whole.output)  # the ViT ranks log the same steps
+    assert sorted(ahead) == list(range(iters - 1)), whole.output[-3000:]
+    fed = {rank: _fed_by_iteration(whole, rank) for rank in range(6)}
     its = sorted(fed[2])
-    assert len(its) == ITERS and sorted(fed[3]) == its
+    assert len(its) == iters and fed[2] == fed[3] and fed[4] == fed[5]  # a slice's stages: the same microbatches
 
-    def both(ranks: tuple, i: int) -> Counter:
-        return sum((_tags(fed[r].get(i, [])) for r in ranks), Counter())
+    def both(by_rank: dict, ranks: tuple, i: int) -> Counter:
+        return sum((_tags(by_rank[r].get(i, [])) for r in ranks), Counter())
+
+    def total(by_rank: dict, ranks: tuple, steps: list) -> Counter:
+        return sum((both(by_rank, ranks, i) for i in steps), Counter())
 
     for i in its:
-        assert not [t for t, n in both((2, 3), i).items() if n > 1], i  # no sample twice in a step
-    for i, j in zip(its, its[1:]):
-        assert both((0, 1), i) - both((2, 3), i) - both((2, 3), j) == Counter(), i  # this step's or the next's
-    assert sum((both((0, 1), i) for i in its), Counter()) == \
-        sum((both((2, 3), i) for i in its), Counter())  # every sample trained was encoded once
-    assert both((0, 1), its[0]) - both((2, 3), its[0]), "the ViT ranks encoded nothing ahead in the first step"
-    assert_no_pool_left(run.output)
+        assert not [t for t, n in both(fed, (2, 4), i).items() if n > 1], i  # no sample twice in a step
+    assert total(fed, (0, 1), its) == total(fed, (2, 4), its)  # every sample trained, encoded once
+    assert both(fed, (0, 1), its[k - 1]) - both(fed, (2, 4), its[k - 1]) == both(fed, (2, 4), its[k])  # ahead at K
+
+    resumed = real_jobs.run("flow_repack_dp2_frozen_resume", replace(
+        base, load=str(whole.workdir / "ckpt"), extra_args=PER_TOKEN + ("--ckpt-step", str(k))))
+    assert_finished(resumed, first=k + 1, last=iters)
+    assert resumed.exact_losses == {i: v for i, v in whole.exact_losses.items() if i > k}
+    assert resumed.consumed == {i: v for i, v in whole.consumed.items() if i > k}
+    for rank in (2, 3, 4, 5):
+        assert _fed_by_iteration(resumed, rank) == {i: fed[rank][i] for i in its[k:]}, rank
+    assert {k + s: d for s, d in _dealt(resumed.output).items()} == {s: d for s, d in dealt.items() if s >= k}
+    again = {rank: _fed_by_iteration(resumed, rank) for rank in (0, 1)}
+    assert both(again, (0, 1), its[k]) - both(fed, (2, 4), its[k + 1]) == both(fed, (2, 4), its[k])  # again
+    assert total(again, (0, 1), its[k:]) == total(fed, (2, 4), its[k:])  # after the resume: each encoded once
+    assert_no_pool_left(whole.output)
