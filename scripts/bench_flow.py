@@ -30,7 +30,8 @@ small entry through the ``shm`` pool) plus their bytes; the flow's per sample, l
 per microbatch.  The runtime's own costs are measured here first too (``runtime_costs``: a
 2-stage pipeline of one microbatch run by the executor on two ranks): every forward and
 backward pays the per-action overhead on top of its injected time (``RegionCost.overhead``),
-every stage-to-stage transfer the measured transfer time (``Link.latency``).  Each rank
+every stage-to-stage transfer the measured transfer time (``Link.latency``) and each of
+its ends the measured time of a send action (``Link.post``).  Each rank
 collects and freezes its setup's objects before its first step (``gc.freeze``), every
 layout alike, so that no full collection of them lands in a measured step; the collections
 left are printed.
@@ -354,9 +355,10 @@ def region_costs(args: argparse.Namespace, frozen: bool) -> tuple[RegionCost, Re
 
 
 def links(args: argparse.Namespace) -> tuple[Link, Link]:
-    """The stage-to-stage link (one transfer's seconds, :func:`runtime_costs`) and the pool's
-    (one transfer's fixed cost, :func:`transfer_overhead`; bytes are free on one host)."""
-    return Link(latency=args.link_s), Link(latency=args.transfer_s)
+    """The stage-to-stage link (a transfer's latency and each end's own part,
+    :func:`runtime_costs`) and the pool's (one transfer's fixed cost,
+    :func:`transfer_overhead`); bytes are free on one host."""
+    return Link(latency=args.link_s, post=args.post_s), Link(latency=args.transfer_s)
 
 
 def predicted(args: argparse.Namespace, layout: str, frozen: bool, step: int) -> float:
@@ -470,10 +472,11 @@ PROBE_S = 2e-3  # the probe's injected forward seconds (backward twice that)
 PROBE_STEPS = 40
 
 
-def _runtime_probe(rank: int, world: int) -> list[tuple[float, float, float, float]]:
+def _runtime_probe(rank: int, world: int) -> list[tuple[float, float, float, float, float]]:
     """Rank ``rank`` of a 2-stage pipeline of one microbatch (``F s0 -> F s1, B s1 -> B s0``)
     run by the executor with the bench's :class:`Chunk`: per measured step, this rank's
-    forward and backward stamps' (start, end) as ``(f_start, f_end, b_start, b_end)``."""
+    forward and backward stamps' (start, end) and its send's seconds, as ``(f_start, f_end,
+    b_start, b_end, send_s)``."""
     import torch.distributed as dist
 
     chunk = Chunk(lambda item: PROBE_S, reads_input=True)
@@ -484,27 +487,34 @@ def _runtime_probe(rank: int, world: int) -> list[tuple[float, float, float, flo
         dist.barrier()
         stamps = executor.run(plan, forward_step, {("llm", rank): Binding(chunk, iter([0]))}).timeline.stamps
         forward, backward = (next(s for s in stamps if s.action.kind.value == kind) for kind in ("F", "B"))
+        send = next(s for s in stamps if s.action.kind.value.startswith("SEND"))
         if step:  # the first step warms up
-            out.append((forward.start, forward.end, backward.start, backward.end))
+            out.append((forward.start, forward.end, backward.start, backward.end, send.end - send.start))
     return out
 
 
-def runtime_costs() -> tuple[float, float]:
+def runtime_costs() -> tuple[float, float, float]:
     """The runtime's costs that the injected compute leaves out, measured here first on two
     ranks of a 2-stage pipeline (the executor, the bench's :class:`Chunk`, gloo on
-    loopback): (a forward or backward action's seconds beyond its injected time: the
-    executor's per-action work, the forward step and loss, autograd, the sleep's overshoot;
-    one stage-to-stage transfer's seconds: from the end of the sender's compute to the start
-    of the receiver's, its send and receive actions included).  Medians over the probe's
-    steps; both ranks read the same monotonic clock.  The simulator charges the first to
-    every compute action (``RegionCost.overhead``) and the second to every point-to-point
-    transfer (``Link.latency``)."""
+    loopback), medians over the probe's steps (both ranks read the same monotonic clock):
+
+    - a forward or backward action's seconds beyond its injected time (the executor's
+      per-action work, the forward step and loss, autograd, the sleep's overshoot): the
+      simulator's ``RegionCost.overhead`` of every compute;
+    - a send action's seconds (an eager send never waits for its peer: the rank's own part
+      of a transfer, taken for a receive's part too): ``Link.post``;
+    - one stage-to-stage transfer, from the end of the sender's compute to the start of the
+      receiver's (which waits for it), less the receive's part: ``Link.latency``.
+
+    Returns ``(overhead, latency, post)``."""
     first, last = launch(_runtime_probe, 2, timeout_s=120)
-    excess, transfer = [], []
-    for (f0, f0_end, b0, b0_end), (f1, f1_end, b1, b1_end) in zip(first, last):
+    excess, transfer, post = [], [], []
+    for (f0, f0_end, b0, b0_end, send0), (f1, f1_end, b1, b1_end, send1) in zip(first, last):
         excess += [f0_end - f0 - PROBE_S, f1_end - f1 - PROBE_S, b1_end - b1 - 2 * PROBE_S, b0_end - b0 - 2 * PROBE_S]
         transfer += [f1 - f0_end, b0 - b1_end]
-    return statistics.median(excess), statistics.median(transfer)
+        post += [send0, send1]
+    own = statistics.median(post)
+    return statistics.median(excess), max(0.0, statistics.median(transfer) - own), own
 
 
 def measure(args: argparse.Namespace, frozen: bool) -> dict:
@@ -553,10 +563,10 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {}
     args.transfer_s = transfer_overhead(args)
-    args.action_s, args.link_s = runtime_costs()
+    args.action_s, args.link_s, args.post_s = runtime_costs()
     print(f"load: {os.getloadavg()}; one pool transfer's fixed cost: {args.transfer_s * 1e6:.0f} us; "
           f"the runtime's per-action overhead {args.action_s * 1e6:.0f} us, stage-to-stage transfer "
-          f"{args.link_s * 1e6:.0f} us; "
+          f"{args.link_s * 1e6:.0f} us + {args.post_s * 1e6:.0f} us at each end; "
           f"flow/lockstep: {shape(args)[0]} encoder ranks + backbone PP={shape(args)[1]} x DP={shape(args)[2]}")
     try:
         for frozen in {"both": (False, True), "trainable": (False,), "frozen": (True,)}[args.vit]:

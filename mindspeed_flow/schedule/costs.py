@@ -44,12 +44,23 @@ class Jitter:
         return rng.uniform(self.low, self.high)
 
 
+_POINT_TO_POINT = frozenset({Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD})
+
+
 @dataclass(frozen=True)
 class Link:
-    """Time to move bytes: ``latency + bytes / bandwidth`` (bytes per second)."""
+    """Time to move bytes: ``latency + bytes / bandwidth`` (bytes per second).
+
+    ``post``: seconds a rank itself spends on each point-to-point send or receive it runs
+    (posting the send, completing the receive: a runtime's handshake and bookkeeping), on
+    top of the transfer's time: a sender goes on that much after posting, a receiver has
+    the tensor that much after it arrived or after it asked, whichever is later.  Only
+    the point-to-point link's counts (not the pool's, whose ``latency`` is a get's whole
+    fixed cost)."""
 
     latency: float = 0.0
     bandwidth: float = math.inf
+    post: float = 0.0
 
     def seconds(self, nbytes: float) -> float:
         return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
@@ -162,6 +173,11 @@ class CostTable:
         if action.carries is BoundaryKind.INPUT:
             return self.link.seconds(cost.input_bytes)
         return self.link.seconds(cost.output_bytes)
+
+    def post_seconds(self, action: Action) -> float:
+        """A rank's own time on one of its transfers (``Link.post``): point-to-point sends and
+        receives only (a pool get's fixed cost is the pool link's ``latency``)."""
+        return self.link.post if action.kind in _POINT_TO_POINT else 0.0
 
     def stored_bytes(self, visit: Visit) -> float:
         return self.region(visit.region).stored_bytes * visit.share

@@ -143,6 +143,9 @@ class _OneStepEach:
     def transfer_seconds(self, action: Action) -> float:
         return 0.0
 
+    def post_seconds(self, action: Action) -> float:
+        return 0.0
+
     def stored_bytes(self, visit: Visit) -> float:
         return 0.0
 

@@ -4,7 +4,9 @@ Every rank runs its program in order under the plan's blocking semantics (the on
 validator proves deadlock-free): a compute takes its cost; a batch of transfers is posted
 at once and ends when its last operation ends.  A transfer takes the link time of its bytes,
 starting when the send is posted (eager: the sender goes on at once) or when both ends are
-posted (rendezvous: the sender waits for the transfer too).  A pool put is local (the pool
+posted (rendezvous: the sender waits for the transfer too); each end of a point-to-point
+transfer also spends the link's ``post`` of its own (after posting its send; after the
+tensor arrived or it asked, whichever is later).  A pool put is local (the pool
 holds the tensor) and the get pulls it; a collective starts when its last member arrives.
 Event times follow from these rules alone, so the replay needs no global event queue:
 ranks advance while the times their next step depends on are known.
@@ -99,15 +101,16 @@ def simulate(plan: Plan, costs: CostTable) -> SimResult:
                 return None
             return max(posted[m] for m in members) + costs.transfer_seconds(action)
         sending = action.kind in (Kind.SEND_ACT, Kind.SEND_GRAD)
+        post = costs.post_seconds(action)  # this rank's own part of a point-to-point transfer
         if sending and not rendezvous:
-            return posted[ref]
+            return posted[ref] + post
         other = pairing.partner[ref]
         if other not in posted:
             return None
         receive = other if sending else ref
         together = rendezvous or action.kind is Kind.POOL_GET  # a pool get pulls when asked
         start = max(posted[ref], posted[other]) if together else posted[other]
-        return start + costs.transfer_seconds(programs[receive[0]][receive[1]])
+        return max(posted[ref], start + costs.transfer_seconds(programs[receive[0]][receive[1]])) + post
 
     progress = True
     while progress:

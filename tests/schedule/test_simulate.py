@@ -52,6 +52,23 @@ def test_per_action_overhead_is_paid_once_per_compute_whatever_its_scale_or_shar
         [m + overhead for m in range(4)])
 
 
+def test_a_ranks_own_part_of_each_send_and_receive_delays_that_rank():
+    # 2 stages, 1 s forward a stage; the activation crosses in 0.25 s and each end spends
+    # 0.5 s of its own on its send or receive: stage 0's second forward starts after its
+    # first send's part, stage 1's first forward after the arrival plus its receive's part.
+    latency, post = 0.25, 0.5
+    costs = CostTable({"llm": RegionCost(forward=2.0, output_bytes=1)}, link=Link(latency=latency, post=post))
+    result = simulate(compose([Region("llm", 2, GPipe(stages=2))], 2), costs)
+    forwards = {(i.rank, i.action.microbatch): i.start for i in result.intervals if i.action.kind is Kind.FORWARD}
+    assert forwards[(0, 1)] == pytest.approx(1.0 + post)
+    assert forwards[(1, 0)] == pytest.approx(1.0 + latency + post)
+    # stage 1 asks for the second activation after its first forward (2.75 s), as it arrives
+    # (sent at 2.5 s): its receive's part follows
+    assert forwards[(1, 1)] == pytest.approx(1.0 + latency + post + 1.0 + post)
+    free = simulate(compose([Region("llm", 2, GPipe(stages=2))], 2), CostTable({"llm": RegionCost(forward=2.0)}))
+    assert result.step_time > free.step_time
+
+
 def test_gpipe_has_the_same_step_but_holds_every_microbatch():
     result = simulate(compose([Region("llm", 8, GPipe(stages=4))], 8), FOUR_STAGES)
     assert result.step_time == pytest.approx(33.0)
