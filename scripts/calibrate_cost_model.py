@@ -5,9 +5,13 @@ A small decoder (pre-norm attention + MLP blocks) runs packs of different shapes
 same token count cut into one long segment or many short ones, through the project's
 varlen attention entry point (:func:`mindspeed_flow.attention.varlen_attention`, causal,
 per segment), so the time has the linear-plus-per-segment-quadratic shape the model
-assumes.  A small non-causal encoder does the same for images of different patch counts.
-``CostModel.fit`` (non-negative least squares) estimates the coefficients; R^2 is
-reported on all packs and on packs held out of the fit.
+assumes.  A small non-causal encoder does the same for calls of 1 to 16 images of different
+patch counts.  ``CostModel.fit`` (non-negative least squares) estimates the coefficients; R^2
+is reported on all packs and on packs held out of the fit.  The encoder's calls also fit the
+flow's :class:`~mindspeed_flow.flow.EncoderCost` (``quadratic * sum p^2 + linear * sum p +
+per_image * images``: the images per call vary, so the per-image term is identifiable),
+written under the JSON's ``encoder_cost`` key, which a decoupled layout's
+``flow_encoder_cost`` and the trainer's ``data.encoder_cost.file`` read.
 
     python scripts/calibrate_cost_model.py            # ~1 minute; writes outputs/cost_model.json
 """
@@ -26,9 +30,15 @@ from torch import nn
 from tqdm import tqdm
 
 from mindspeed_flow.attention import varlen_attention
+from mindspeed_flow.flow import EncoderCost, SampleMeta
+from mindspeed_flow.flow.encoder_cost import CALIBRATION_KEY
 from mindspeed_flow.packing import CostModel, r_squared
 
 ROOT = Path(__file__).resolve().parent.parent
+# the encoder's calls, each a list of its images' patch counts: the same patches in one image
+# or many (16 x 64 = 1024 = 1 x 1024), so the per-image term is told from the per-patch one
+IMAGE_SETS = ([[p] * k for p in (64, 256, 576, 1024) for k in (1, 2)] + [[64, 1024], [256, 256, 576]]
+              + [[64] * 4, [64] * 16, [16] * 16, [256] * 4])
 
 
 class Block(nn.Module):
@@ -77,6 +87,12 @@ def pack_shapes(totals: list[int], rng: np.random.Generator) -> list[list[int]]:
     return shapes
 
 
+def encoder_calls(images: list[tuple[list[int], float]]) -> list[tuple[list[SampleMeta], float]]:
+    """The encoder's timed calls as :meth:`EncoderCost.fit` takes them: one sample per call
+    holding its images' patch counts."""
+    return [([SampleMeta(i, 0, 1, 0, tuple(patches))], t) for i, (patches, t) in enumerate(images)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=128)
@@ -99,8 +115,7 @@ def main() -> None:
         (shape, seconds(llm, shape, args.hidden, args.reps))
         for shape in tqdm(pack_shapes(args.totals, rng), desc="LLM packs")
     ]
-    image_sets = [[p] * k for p in (64, 256, 576, 1024) for k in (1, 2)] + [[64, 1024], [256, 256, 576]]
-    images = [(patches, seconds(encoder, patches, args.hidden, args.reps)) for patches in tqdm(image_sets, desc="images")]
+    images = [(patches, seconds(encoder, patches, args.hidden, args.reps)) for patches in tqdm(IMAGE_SETS, desc="images")]
 
     model = CostModel.fit(observations, images=images)
     r2_all = r_squared(model, observations)
@@ -109,9 +124,14 @@ def main() -> None:
     # The encoder terms have the LLM terms' shape over patch counts (no constant).
     r2_images = r_squared(CostModel(linear=model.encoder_linear, quadratic=model.encoder_quadratic), images)
 
+    calls = encoder_calls(images)
+    encoder_cost = EncoderCost.fit(calls)
+    r2_encoder_cost = r_squared(encoder_cost, calls)
+
     print(f"\nfitted: {model}")
     print(f"LLM packs: {len(observations)}, R^2 {r2_all:.4f}; fit on half, R^2 on the other half {r2_held_out:.4f}")
     print(f"encoder calls: {len(images)}, R^2 {r2_images:.4f}")
+    print(f"flow's encoder cost: {encoder_cost}, R^2 {r2_encoder_cost:.4f}")
     share = [model.quadratic * sum(l * l for l in s) / model.cost(s) for s, _ in observations if len(s) == 1]
     print(f"attention share of a single-segment pack: {min(share):.1%} .. {max(share):.1%}")
     print(f"{'segments':>34} {'measured ms':>12} {'model ms':>9}")
@@ -121,6 +141,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "model": asdict(model), "r2": r2_all, "r2_held_out": r2_held_out, "r2_images": r2_images,
+        CALIBRATION_KEY: asdict(encoder_cost), "r2_encoder_cost": r2_encoder_cost,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "observations": observations, "images": images,
     }, indent=1))

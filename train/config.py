@@ -9,11 +9,13 @@ Unset keys keep the defaults below, which are the demo's (``configs/train/demo.y
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mindspeed_flow.calibration_file import read_calibrated_terms
+from mindspeed_flow.flow import EncoderCost
+from mindspeed_flow.flow.errors import EncoderCostError
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.train.errors import ConfigError
 from mindspeed_flow.train.model import ModelConfig
@@ -53,6 +55,28 @@ class LlmCostConfig:
 
 
 @dataclass(frozen=True)
+class EncoderCostConfig:
+    """The encoder's cost of a batch, ``quadratic * sum(p^2) + linear * sum(p) + per_image *
+    images`` over its images' patch counts ``p`` (:class:`~mindspeed_flow.flow.EncoderCost`):
+    the flow (``layout.flow: true``, ``train/stream.py``) cuts the encoder's batches by it,
+    each batch costing at most what one image of ``layout.flow_encoder_batch_patches``
+    patches costs.  The default (``linear: 1``) is patches: a batch holds that many patches.
+
+    ``file``: the JSON ``scripts/calibrate_cost_model.py`` writes (its ``encoder_cost``),
+    read and checked when the config loads, relative to the working directory like
+    ``data.path``.  Otherwise the three coefficients (units are free: only ratios matter)."""
+
+    file: Optional[str] = None
+    quadratic: float = 0.0
+    linear: float = 1.0
+    per_image: float = 0.0
+
+    @property
+    def coefficients_set(self) -> bool:
+        return (self.quadratic, self.linear, self.per_image) != (0.0, 1.0, 0.0)
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """The corpus at ``path`` and how it is cut into steps.  ``make_demo: true`` (the demo
     and CI configs) makes the demo corpus there with ``make_demo_corpus(path, samples,
@@ -71,6 +95,7 @@ class DataConfig:
     num_workers: int = 1
     make_demo: bool = False
     llm_cost: LlmCostConfig = field(default_factory=LlmCostConfig)
+    encoder_cost: EncoderCostConfig = field(default_factory=EncoderCostConfig)
 
     def llm_cost_model(self) -> CostModel:
         """``llm_cost`` as a :class:`CostModel` (its file read now); a :class:`ConfigError`
@@ -86,25 +111,27 @@ class DataConfig:
         return _cost_model(_calibrated_terms(Path(cost.file)), f"data.llm_cost.file ({cost.file})")
 
 
+    def encoder_cost_model(self) -> EncoderCost:
+        """``encoder_cost`` as an :class:`EncoderCost` (its file read now); a :class:`ConfigError`
+        names the key and the file when it cannot be one."""
+        cost = self.encoder_cost
+        if cost.file is not None and cost.coefficients_set:
+            raise ConfigError(f"data.encoder_cost: set either file ({cost.file}) or the coefficients "
+                              f"(quadratic, linear, per_image), not both")
+        try:
+            if cost.file is not None:
+                return EncoderCost.load(cost.file)
+            return EncoderCost.from_terms({"quadratic": cost.quadratic, "linear": cost.linear,
+                                           "per_image": cost.per_image}, "coefficients")
+        except EncoderCostError as exc:
+            key = "data.encoder_cost" if cost.file is None else "data.encoder_cost.file"
+            raise ConfigError(f"{key}: {exc}") from None
+
+
 def _calibrated_terms(path: Path) -> dict[str, Any]:
     """The ``model`` mapping of a ``scripts/calibrate_cost_model.py`` JSON at ``path``."""
-    key = f"data.llm_cost.file ({path})"
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot read the calibrated cost model ({exc.strerror or exc})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{key}: not valid JSON: {exc}") from None
-    model = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(model, dict):
-        raise ConfigError(f"{key}: no 'model' mapping (the JSON scripts/calibrate_cost_model.py writes has one)")
-    known = [f.name for f in dataclasses.fields(CostModel)]
-    unknown = sorted(set(model) - set(known))
-    if unknown:
-        raise ConfigError(f"{key}: unknown term model.{unknown[0]} (known: {', '.join(known)})")
-    return model
+    return read_calibrated_terms(path, "model", [f.name for f in dataclasses.fields(CostModel)],
+                                 where=f"data.llm_cost.file ({path})", error=ConfigError)
 
 
 def _cost_model(terms: dict[str, Any], key: str) -> CostModel:
@@ -290,6 +317,10 @@ def check_config(cfg: TrainConfig, path: str | Path = "<config>") -> None:
             cfg.data.llm_cost_model()
         except ConfigError as exc:
             problems.append(str(exc))
+    try:
+        cfg.data.encoder_cost_model()
+    except ConfigError as exc:
+        problems.append(str(exc))
     problems += _search_problems(cfg)
     if lay.flow and lay.pool_backend != "shm":
         problems.append(f"layout.flow: the flow runs on the 'shm' pool (one host), not {lay.pool_backend!r}")

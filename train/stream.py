@@ -5,8 +5,9 @@ The same ranks as the lockstep decoupled run (:func:`~mindspeed_flow.train.flow.
 the allocator's plan or the config's sizes), placed as :class:`~mindspeed_flow.flow.FlowRanks`
 (encoder replicas first, then every backbone replica's stages).  Every rank cuts the step's
 packs into samples and groups them with :func:`~mindspeed_flow.flow.group_step` (pure, so
-all agree): the encoder's batches by patches, the backbone's microbatches packed *after*
-encoding by the LLM's cost (``data.llm_cost``), zig-zag over PP x DP.
+all agree): the encoder's batches by its cost (``data.encoder_cost``, patches by default), the
+backbone's microbatches packed *after* encoding by the LLM's cost (``data.llm_cost``), zig-zag
+over PP x DP.
 
 - ViT ranks are :class:`~mindspeed_flow.flow.EmbeddingProducer`\\ s: one pool entry per
   sample.  Trainable: forward and backward within the step (gradients come back through the
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from mindspeed_flow.adapters.megatron.parallel import destroy_model_parallel
 from mindspeed_flow.flow import EncoderCost, FlowGrouping, FlowRanks, SampleMeta, group_step
+from mindspeed_flow.flow.encoder_cost import PATCHES
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.schedule.regions import BACKBONE_REGION, ENCODER_REGION
 from mindspeed_flow.train.backbone import enable_fused_attn
@@ -47,12 +49,15 @@ if TYPE_CHECKING:
 MERGED = 4  # ViT patches per image token (2x2 merger)
 
 
-def group_samples(metas: "list[SampleMeta]", cfg: "TrainConfig", ranks: FlowRanks, llm_cost: CostModel) -> FlowGrouping:
-    """One step's two groupings on ``ranks``: the encoder's batches by ViT patches (at most
-    ``layout.flow_encoder_batch_patches``), the backbone's microbatches by ``llm_cost``
-    (``cfg.data.llm_cost_model()``: ``data.llm_cost``, calibrated or the loader's default)."""
-    return group_step(metas, capacity=cfg.data.capacity, llm_cost=llm_cost, encoder_cost=EncoderCost(linear=1.0),
-                      encoder_budget=float(cfg.layout.flow_encoder_batch_patches),
+def group_samples(metas: "list[SampleMeta]", cfg: "TrainConfig", ranks: FlowRanks, llm_cost: CostModel,
+                  encoder_cost: EncoderCost = PATCHES) -> FlowGrouping:
+    """One step's two groupings on ``ranks``: the encoder's batches by ``encoder_cost``
+    (``cfg.data.encoder_cost_model()``: ``data.encoder_cost``, calibrated or patches), each
+    costing at most one image of ``layout.flow_encoder_batch_patches`` patches; the backbone's
+    microbatches by ``llm_cost`` (``cfg.data.llm_cost_model()``: ``data.llm_cost``,
+    calibrated or the loader's default)."""
+    return group_step(metas, capacity=cfg.data.capacity, llm_cost=llm_cost, encoder_cost=encoder_cost,
+                      encoder_budget=encoder_cost.image_cost(cfg.layout.flow_encoder_batch_patches),
                       encoder_replicas=ranks.encoder_replicas, dp=ranks.dp, pp=ranks.pp)
 
 
@@ -99,6 +104,7 @@ class StreamTrainer(Trainer):
                              "of the backbone's pipeline size)")
         self.frozen = cfg.model.freeze_vit
         self.llm_cost = cfg.data.llm_cost_model()  # data.llm_cost: its file is read once, here
+        self.encoder_cost = cfg.data.encoder_cost_model()  # data.encoder_cost: likewise
         self.timeline_from_end = 2 if self.frozen else 1  # the last step has no next step to run ahead into
         self.plan_text = chosen.plan_text
         self.layout = (f"ViT DP={ranks.encoder_replicas} (flow, {'frozen: runs ahead' if self.frozen else 'trainable'})"
@@ -140,7 +146,7 @@ class StreamTrainer(Trainer):
 
     def grouping(self, samples: StepSamples) -> FlowGrouping:
         """The step's two groupings (every rank computes the same)."""
-        return group_samples(samples.metas, self.cfg, self.ranks, self.llm_cost)
+        return group_samples(samples.metas, self.cfg, self.ranks, self.llm_cost, self.encoder_cost)
 
     def forward_backward(self, data: "StepData") -> LocalStep:
         image_token = self.cfg.model.image_token_id

@@ -126,7 +126,6 @@ def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[An
     the loader's packs as the backbone's microbatches, or with ``flow_repack`` new ones
     (:func:`repack`)."""
     from mindspeed_flow.adapters.mindspeed_mm.flow_batches import StepBatches
-    from mindspeed_flow.flow import EncoderCost
     from mindspeed_flow.flow.packed import group_packed
 
     batches = [next(iterator) for _ in range(num_microbatches)]
@@ -135,7 +134,7 @@ def step_grouping(layout: Any, iterator: Any, num_microbatches: int) -> tuple[An
         batches = every_slices_batches(layout, batches)
     samples = StepBatches(FLOW.steps, batches, image_token_id())
     FLOW.steps += 1
-    encoder = {"encoder_cost": EncoderCost(linear=1.0), "encoder_budget": float(layout.flow_encoder_batch_patches),
+    encoder = {"encoder_cost": layout.flow_encoder_model, "encoder_budget": layout.flow_encoder_budget,
                "encoder_replicas": layout.encoder_dp * replicas, "pp": layout.backbone_pp}
     if layout.flow_repack:
         return samples, repack(samples, iterator, encoder, replicas)

@@ -43,6 +43,7 @@ def _chosen(args: Any) -> tuple[str, DecoupledLayout] | None:
     source, layout = found[0]
     if len(found) == 2 and replace(found[1][1], max_ahead=layout.max_ahead, flow=layout.flow,
                                    flow_encoder_batch_patches=layout.flow_encoder_batch_patches,
+                                   flow_encoder_cost=layout.flow_encoder_cost,
                                    flow_max_in_flight=layout.flow_max_in_flight,
                                    flow_repack=layout.flow_repack) != layout:
         raise LayoutError(f"{source} and {found[1][0]} name two decoupled layouts: {describe_sizes(layout)} and "

@@ -40,6 +40,7 @@ from . import plan as _plan
 from .errors import LayoutError
 
 if TYPE_CHECKING:
+    from ..flow.encoder_cost import EncoderCost
     from ..schedule import Region
     from ..schedule.plan import Plan
 
@@ -75,7 +76,12 @@ class DecoupledLayout:
             samples in batches of its own and puts one pool entry per sample; the backbone
             takes each microbatch's samples by key (``mindspeed_flow.flow``).
         flow_encoder_batch_patches: under ``flow``, the ViT patches of one encoder batch
-            (a sample with more gets a batch of its own).
+            (a sample with more gets a batch of its own); under ``flow_encoder_cost``, a
+            batch may cost what one image of that many patches costs
+            (:attr:`flow_encoder_budget`).
+        flow_encoder_cost: under ``flow``, the encoder's cost of a batch
+            (:class:`~mindspeed_flow.flow.EncoderCost`, e.g. fitted by
+            ``scripts/calibrate_cost_model.py``) its batches are cut by; ``None``: patches.
         flow_max_in_flight: under ``flow``, a frozen encoder replica's pool entries put and
             not yet taken, at most, when it runs ahead into the next step (``None``: the
             pool's capacity alone bounds it; it never runs more than one step ahead).
@@ -96,6 +102,7 @@ class DecoupledLayout:
     backbone_tp: int = 1
     flow: bool = False
     flow_encoder_batch_patches: int = 1024
+    flow_encoder_cost: EncoderCost | None = None
     flow_max_in_flight: int | None = None
     flow_repack: bool = False
 
@@ -108,11 +115,30 @@ class DecoupledLayout:
         if self.flow_encoder_batch_patches < 1:
             raise LayoutError(f"DecoupledLayout: flow_encoder_batch_patches must be >= 1, got "
                               f"{self.flow_encoder_batch_patches}")
+        if self.flow_encoder_cost is not None and not self.flow_encoder_budget > 0:
+            raise LayoutError(f"DecoupledLayout: flow_encoder_cost {self.flow_encoder_cost} gives an image of "
+                              f"flow_encoder_batch_patches={self.flow_encoder_batch_patches} patches no cost: "
+                              f"no budget to cut the encoder's batches by")
         if self.flow_max_in_flight is not None and self.flow_max_in_flight < 1:
             raise LayoutError(f"DecoupledLayout: flow_max_in_flight must be >= 1 or None, got "
                               f"{self.flow_max_in_flight}")
         if self.flow_repack and not self.flow:
             raise LayoutError("DecoupledLayout: flow_repack regroups the flow's samples: it needs flow")
+
+    @property
+    def flow_encoder_model(self) -> EncoderCost:
+        """The encoder's cost its batches are cut by under ``flow``: ``flow_encoder_cost``, or
+        patches when unset."""
+        from ..flow.encoder_cost import PATCHES  # the flow package imports torch: only when asked
+
+        return PATCHES if self.flow_encoder_cost is None else self.flow_encoder_cost
+
+    @property
+    def flow_encoder_budget(self) -> float:
+        """What one encoder batch may cost under ``flow``: one image of
+        ``flow_encoder_batch_patches`` patches under :attr:`flow_encoder_model` (with the
+        default, that many patches)."""
+        return self.flow_encoder_model.image_cost(self.flow_encoder_batch_patches)
 
     @property
     def deals_over_slices(self) -> bool:

@@ -11,6 +11,12 @@ class SampleError(FlowError, ValueError):
     image without patches, a key that is not ``flow/step<n>/act|grad/<sample id>``)."""
 
 
+class EncoderCostError(FlowError, ValueError):
+    """An encoder cost that cannot be one: a calibration file that cannot be read or has no
+    ``encoder_cost`` mapping, a term that is unknown, not a number or negative, or terms that
+    are all 0 (nothing to cut batches by); the message names the file or the place and the key."""
+
+
 class GroupingError(FlowError, ValueError):
     """A step's grouping that cannot be made (a sample longer than a microbatch, a microbatch
     count the samples cannot fill) or that loses or repeats a sample; the message names it."""

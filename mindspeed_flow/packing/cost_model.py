@@ -15,7 +15,7 @@ the patches of one image): ``encoder_linear * p + encoder_quadratic * p^2``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -103,8 +103,16 @@ def fit_nonnegative(
     return tuple(float(c) for c in nnls(np.array(rows), np.array(seconds)))
 
 
-def r_squared(model: CostModel, observations: Iterable[Observation]) -> float:
-    """Coefficient of determination of ``model.cost`` on ``(segment_lengths, seconds)``."""
+class Priced(Protocol):
+    """A fitted cost: :class:`CostModel` (of a pack's segment lengths) or the flow's
+    ``EncoderCost`` (of an encoder batch's samples)."""
+
+    def cost(self, measured: Any) -> float: ...
+
+
+def r_squared(model: Priced, observations: Iterable[tuple[Any, float]]) -> float:
+    """Coefficient of determination of ``model.cost`` on ``(what was measured, seconds)``
+    pairs (a pack's segment lengths for a :class:`CostModel`)."""
     pairs = [(model.cost(lengths), float(t)) for lengths, t in observations]
     predicted, measured = np.array(pairs).T
     residual = float(((measured - predicted) ** 2).sum())

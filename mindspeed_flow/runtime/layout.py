@@ -21,6 +21,8 @@ from ..schedule import (GPipe, Interleaved1F1B, OneFOneB, Region, ScheduleError,
 from ..schedule.actions import COMPUTE
 from ..schedule.plan import Plan
 from ..decoupled import DecoupledLayout, LayoutError
+from ..flow.encoder_cost import EncoderCost
+from ..flow.errors import EncoderCostError
 from ..schedule.regions import BACKBONE_REGION, ENCODER_REGION, MEGATRON_REGION
 from ..typed_yaml import build, read_yaml
 from .executor import RuntimeOptions
@@ -138,6 +140,7 @@ class _DecoupledSection:
     max_in_flight: Optional[int] = DecoupledLayout.__dataclass_fields__["max_ahead"].default
     flow: bool = False  # FlowTrain's flow: per-sample pool entries, encoder batches of its own
     flow_encoder_batch_patches: int = DecoupledLayout.__dataclass_fields__["flow_encoder_batch_patches"].default
+    flow_encoder_cost: Any = None  # the calibration JSON's path or {quadratic, linear, per_image}; null: patches
     flow_max_in_flight: Optional[int] = None  # a frozen encoder's entries ahead, at most (null: the pool's room)
     flow_repack: bool = False  # the LLM's microbatches made from the step's samples, not the loader's packs
 
@@ -162,9 +165,14 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
           max_in_flight: 2                 # microbatches ahead of their backward (null: unbounded)
           flow: true                       # optional: FlowTrain's flow instead of the lockstep plan
           flow_encoder_batch_patches: 1024 # optional: ViT patches per encoder batch under the flow
+          flow_encoder_cost: cost.json     # optional: the encoder's batch cost (see below; default: patches)
           flow_max_in_flight: 64           # optional: a frozen ViT's entries ahead (null: the pool's room)
           flow_repack: true                # optional: the LLM's microbatches repacked from the samples (group_step)
 
+    ``flow_encoder_cost`` is the JSON ``scripts/calibrate_cost_model.py`` writes (its
+    ``encoder_cost``; a relative path is the layout file's folder's) or the terms inline,
+    ``{quadratic: .., linear: .., per_image: ..}``; an encoder batch then costs at most what
+    one image of ``flow_encoder_batch_patches`` patches costs under it.
     The layer counts are the model's (:meth:`~mindspeed_flow.decoupled.DecoupledLayout.with_layers`).
     A typo, a wrong type, a size below one or an encoder that does not split over the
     backbone replicas is refused naming the file and the key."""
@@ -178,9 +186,25 @@ def load_decoupled(path: str | Path) -> Optional[DecoupledLayout]:
                                backbone_pp=spec.backbone.pp, backbone_tp=spec.backbone.tp,
                                backbone_dp=spec.backbone.dp, max_ahead=spec.max_in_flight, flow=spec.flow,
                                flow_encoder_batch_patches=spec.flow_encoder_batch_patches,
+                               flow_encoder_cost=_encoder_cost(spec.flow_encoder_cost, path),
                                flow_max_in_flight=spec.flow_max_in_flight, flow_repack=spec.flow_repack)
     except LayoutError as exc:  # the section's own checks come first; this is a safety net
         raise ScheduleError(f"{path}: decoupled: {exc}") from None
+
+
+def _encoder_cost(value: Any, path: Path) -> Optional[EncoderCost]:
+    """``decoupled.flow_encoder_cost`` as an :class:`~mindspeed_flow.flow.EncoderCost` (``None``
+    when unset): a calibration file (relative to the layout file's folder) or inline terms;
+    refused naming the layout file and the key."""
+    if value is None:
+        return None
+    key = f"{path}: decoupled.flow_encoder_cost"
+    try:
+        if isinstance(value, str):
+            return EncoderCost.load(path.parent / value)
+        return EncoderCost.from_terms(value, "inline terms")
+    except EncoderCostError as exc:
+        raise ScheduleError(f"{key}: {exc}") from None
 
 
 @dataclass(frozen=True)

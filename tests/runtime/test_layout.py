@@ -215,7 +215,7 @@ def test_decoupled_form_gives_a_decoupled_layout(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("decoupled: {encoder: {dp: 1}, backbone: {pp: 2}, max_in_flite: 2}",
      "unknown key decoupled.max_in_flite (known in decoupled: encoder, backbone, max_in_flight, flow, "
-     "flow_encoder_batch_patches, flow_max_in_flight, flow_repack)"),
+     "flow_encoder_batch_patches, flow_encoder_cost, flow_max_in_flight, flow_repack)"),
     ("decoupled: {encoder: {dp: 1, pp: 2}, backbone: {pp: 2}}", "unknown key decoupled.encoder.pp"),
     ("decoupled: {backbone: {pp: 2}}", "missing key decoupled.encoder"),
     ("decoupled: {encoder: {dp: 1}, backbone: {dp: 1}}", "missing key decoupled.backbone.pp"),
