@@ -24,9 +24,12 @@ import driver  # (MindSpeed's adaptor first, as pretrain_vlm.py; the job JSON)
 
 
 def decoupled_layout(fields: dict):
-    """The layout the job describes."""
+    """The layout the job describes (``flow_encoder_cost``: its terms, as a layout file writes them inline)."""
     from mindspeed_flow.decoupled import DecoupledLayout
+    from mindspeed_flow.flow import EncoderCost
 
+    if fields.get("flow_encoder_cost") is not None:
+        fields = {**fields, "flow_encoder_cost": EncoderCost.from_terms(fields["flow_encoder_cost"], "job.json")}
     return DecoupledLayout(**fields)
 
 

@@ -74,6 +74,34 @@ def test_flow_step_with_a_trainable_vit_equals_upstream(runs, tmp_path):
     assert json.loads(llm) == [[0], [1], [2]] and json.loads(encoder) == [[0], [1, 2]]
 
 
+def test_flow_step_with_a_fitted_encoder_cost_cuts_other_batches_and_equals_upstream(runs, tmp_path):
+    """``flow_encoder_cost`` in the layout: with an image's fixed work as dear as 48 patches,
+    the budget (one image of 48 patches: 96) holds no two of the samples' images (64, 24, 24
+    patches), so the encoder's batches are ``[0] [1] [2]`` where patches make ``[0] [1, 2]``
+    (both :func:`group_packed` on the samples' metas, the first also the job's); the loss and
+    every gradient still equal upstream's step."""
+    from mindspeed_flow.decoupled import DecoupledLayout
+    from mindspeed_flow.flow import EncoderCost, SampleMeta
+    from mindspeed_flow.flow.packed import group_packed
+
+    terms = {"quadratic": 0.0, "linear": 1.0, "per_image": 48.0}
+    metas = [SampleMeta(i, 0, 1, 0, (p,)) for i, p in enumerate((64, 24, 24))]
+    expected = {}
+    for name, cost in (("patches", None), ("fitted", EncoderCost(**terms))):
+        lay = DecoupledLayout(flow=True, flow_encoder_batch_patches=ONE_STEP_BATCH_PATCHES, flow_encoder_cost=cost)
+        grouping = group_packed(metas, [[0], [1], [2]], encoder_cost=lay.flow_encoder_model,
+                                encoder_budget=lay.flow_encoder_budget, encoder_replicas=1, pp=2)
+        expected[name] = [list(batch) for batch in grouping.batches]
+    assert expected["patches"] == [[0], [1, 2]] and expected["fitted"] == [[0], [1], [2]]
+    plain = runs.get("fp32_plain")
+    job = Job(samples=sample_specs(3), precision="fp32", flash_attn=True, pp=2)
+    layout = {**one_step_layout(), "flow_encoder_cost": terms}
+    results = run_decoupled(job, layout, tmp_path / "flow_encoder_cost", plain.initial_weights, "shm")
+    assert_equals_upstream(plain, results)
+    flow = [r["flow"] for r in results if r.get("flow")]
+    assert flow and {json.dumps(f["batches"]) for f in flow} == {json.dumps(expected["fitted"])}
+
+
 @pytest.fixture(scope="module")
 def plain4(runs, tmp_path_factory):
     """Upstream's co-located single-process step on 4 samples (the reference of the 4-rank layouts);
