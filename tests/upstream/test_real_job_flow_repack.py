@@ -43,7 +43,7 @@ from test_real_job_flow import FROZEN_VIT, _fed_by_iteration, _ran_ahead, _tags,
 HERE = Path(__file__).resolve().parent
 REPACK_LAYOUT_FILE = HERE / "flow_repack_layout.yaml"
 REPACK_LOG = re.compile(r"mindspeed-flow flow: step (\d+): the loader's packs (\[.*?\]\]) repacked into "
-                        r"LLM microbatches (\[.*?\]\])")
+                        r"LLM microbatches (\[.*?\]\]) \(sample ids\) on backbone replicas (\[.*?\])")
 ITERS = 4
 RESUME_ITERS, RESUME_K = ITERS, 2  # the frozen ViT's runs: as many iterations as the trainable one's, saved at K
 
@@ -103,14 +103,20 @@ def test_two_slices_deal_each_others_samples_and_the_step_equals_upstream(plain4
             assert r["flow"]["taken"] == sum(1 for s in trained_by.values() if s == r["replica"]), r["rank"]
 
 
-def _repacks(output: str) -> dict[int, tuple[list, list]]:
-    """Step -> (the loader's packs, the repacked LLM microbatches), as every rank logged them
-    (sample ids: a pack's segments, numbered in the step); every rank logged the same."""
+def _logged(output: str) -> dict[int, tuple[list, list, list]]:
+    """Step -> (the loader's packs, the repacked LLM microbatches, each one's backbone
+    replica), as every rank logged them (sample ids: a pack's segments, numbered in the step,
+    slice 0's packs first); every rank logged the same."""
     found: dict[int, set] = {}
-    for step, packs, microbatches in REPACK_LOG.findall(output):
-        found.setdefault(int(step), set()).add((packs, microbatches))
+    for logged in REPACK_LOG.findall(output):
+        found.setdefault(int(logged[0]), set()).add(logged[1:])
     assert all(len(v) == 1 for v in found.values()), found
     return {step: tuple(json.loads(x) for x in next(iter(v))) for step, v in found.items()}
+
+
+def _repacks(output: str) -> dict[int, tuple[list, list]]:
+    """Step -> (the loader's packs, the repacked LLM microbatches): :func:`_logged`'s."""
+    return {step: (packs, microbatches) for step, (packs, microbatches, _) in _logged(output).items()}
 
 
 @pytest.mark.timeout(1200)
@@ -219,18 +225,11 @@ def test_pretrain_vlm_repacking_with_a_frozen_vit_ahead_at_the_save_resumes_bit_
 
 
 DP2_LAYOUT_FILE = HERE / "flow_repack_dp2_layout.yaml"
-REPLICAS_LOG = re.compile(r"mindspeed-flow flow: step (\d+): the loader's packs (\[.*?\]\]) repacked into "
-                          r"LLM microbatches \[.*?\]\] \(sample ids\) on backbone replicas (\[.*?\])")
 
 
 def _dealt(output: str) -> dict[int, tuple[list, list]]:
-    """Step -> (the loader's packs of both slices, slice 0's first; the backbone replica of
-    each repacked microbatch), as every rank logged them (all the same)."""
-    found: dict[int, set] = {}
-    for step, packs, replicas in REPLICAS_LOG.findall(output):
-        found.setdefault(int(step), set()).add((packs, replicas))
-    assert all(len(v) == 1 for v in found.values()), found
-    return {step: tuple(json.loads(x) for x in next(iter(v))) for step, v in found.items()}
+    """Step -> (the loader's packs of both slices, each repacked microbatch's backbone replica): :func:`_logged`'s."""
+    return {step: (packs, replicas) for step, (packs, _, replicas) in _logged(output).items()}
 
 
 @pytest.mark.timeout(1800)
