@@ -110,6 +110,7 @@ class StepBatches:
                                     for m, batch in enumerate(self.loader_batches)]
         self.microbatches = self.loader_microbatches
         self._joined: dict[int, dict] | None = None  # after :meth:`repack`: the microbatches joined so far
+        self._packs: set[int] = set()  # the loader's batches checked to be packs (:func:`_check_pack`)
         self._multiple = 1
 
     @property
@@ -145,18 +146,10 @@ class StepBatches:
         ``[3, 1, T]`` M-RoPE ``position_ids``)."""
         place = self._places[sample_id]
         batch = self.loader_batches[place.batch]
-        where = f"flow step {self.step} microbatch {place.batch}"
-        other = sorted(set(batch) - set(PACK_KEYS))
-        if other:
-            raise SampleError(f"{where}: cannot regroup a batch with {other} (a pack of the packing loader holds "
-                              f"{list(PACK_KEYS)} only)")
-        missing = [k for k in ("cu_seqlens", "labels", "position_ids") if batch.get(k) is None]
-        positions = batch.get("position_ids")
-        if missing or positions.dim() != 3 or positions.shape[0] != 3 or positions.shape[1] != 1:
-            raise SampleError(f"{where}: cannot regroup a batch that is not a pack of the packing loader "
-                              f"(missing {missing}, position_ids "
-                              f"{None if positions is None else tuple(positions.shape)}; expected cu_seqlens, "
-                              "labels and [3, 1, T] M-RoPE ids)")
+        if place.batch not in self._packs:
+            _check_pack(batch, f"flow step {self.step} microbatch {place.batch}")
+            self._packs.add(place.batch)
+        positions = batch["position_ids"]
         names = batch.get("sample_ids")
         tokens = slice(place.start, place.end)
         pixels = batch.get("pixel_values")
@@ -222,6 +215,23 @@ class StepBatches:
             raise SampleError(f"flow step {self.step} microbatch {m}: {len(patches) - image} of its images belong to "
                               "no sample (more images than image tokens)")
         return ids
+
+
+def _check_pack(batch: dict, where: str) -> None:
+    """Refuse, naming ``where``, a batch that is not one of the packing loader's contract
+    (:data:`PACK_KEYS`, ``cu_seqlens`` and ``[3, 1, T]`` M-RoPE ``position_ids``): nothing says
+    how to cut it into samples and join them again."""
+    other = sorted(set(batch) - set(PACK_KEYS))
+    if other:
+        raise SampleError(f"{where}: cannot regroup a batch with {other} (a pack of the packing loader holds "
+                          f"{list(PACK_KEYS)} only)")
+    missing = [k for k in ("cu_seqlens", "labels", "position_ids") if batch.get(k) is None]
+    positions = batch.get("position_ids")
+    if missing or positions.dim() != 3 or positions.shape[0] != 3 or positions.shape[1] != 1:
+        raise SampleError(f"{where}: cannot regroup a batch that is not a pack of the packing loader "
+                          f"(missing {missing}, position_ids "
+                          f"{None if positions is None else tuple(positions.shape)}; expected cu_seqlens, "
+                          "labels and [3, 1, T] M-RoPE ids)")
 
 
 def _grid(batch: dict) -> torch.Tensor:
