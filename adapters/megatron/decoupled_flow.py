@@ -10,9 +10,10 @@ encode exactly LLM microbatch ``m`` and put it whole.  Under the flow, one step 
   and cuts the samples with images, in the order the backbone needs them, into the
   encoder's batches by the encoder's own cost (``flow_encoder_cost``: ViT patches by
   default, or a calibrated ``EncoderCost``; a batch costs at most one image of
-  ``flow_encoder_batch_patches`` patches): the two groupings differ; with ``flow_repack`` the backbone's microbatches are
-  made by the flow's scheduler instead, from the samples by the LLM's cost model (:func:`repack`:
-  :func:`~mindspeed_flow.flow.group_step`), each joined as the loader joins a pack; with
+  ``flow_encoder_batch_patches`` patches): the two groupings differ; with ``flow_repack``
+  the backbone's microbatches are made by the flow's scheduler instead, from the samples by
+  the LLM's cost model (:func:`repack`: :func:`~mindspeed_flow.flow.group_step`), each
+  joined as the loader joins a pack; with
   several backbone replicas (the layout ``deals_over_slices``) every rank gathers the step's
   microbatches of every slice from its role's data-parallel peers (:func:`every_slices_batches`)
   and the samples of all slices are packed together and dealt zig-zag over PP x DP: a sample
