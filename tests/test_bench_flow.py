@@ -4,23 +4,17 @@ prediction where the layout pays them, and its runtime probe times what it says 
 
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.scripts import import_script
 
 
 @pytest.fixture(scope="module")
 def bench():
     """``scripts/bench_flow.py`` as the module ``bench_flow`` (spawned children import it by name)."""
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    return importlib.import_module("bench_flow")
+    return import_script("bench_flow")
 
 
 def _args(bench, backbone: str, action_s: float, link_s: float, post_s: float = 0.0):

@@ -5,11 +5,8 @@ one image of that many patches under the cost."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 
@@ -17,17 +14,15 @@ from mindspeed_flow.flow import EncoderCost, SampleMeta
 from mindspeed_flow.flow.encoder_cost import CALIBRATION_KEY, PATCHES
 from mindspeed_flow.flow.errors import EncoderCostError
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.scripts import import_script
+
 TRUTH = EncoderCost(quadratic=3e-8, linear=2.5e-5, per_image=1.5e-4)
 
 
 @pytest.fixture(scope="module")
 def calibrate():
     """``scripts/calibrate_cost_model.py`` as a module (its call shapes and their conversion)."""
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    return importlib.import_module("calibrate_cost_model")
+    return import_script("calibrate_cost_model")
 
 
 def test_the_scripts_calls_fit_every_term_and_its_json_loads_back(calibrate, tmp_path):

@@ -68,6 +68,12 @@ def test_coefficients_and_calibrated_file_load(tmp_path, monkeypatch):
 ])
 def test_a_bad_llm_cost_is_refused_at_load_naming_the_config_the_key_and_the_file(
         tmp_path, monkeypatch, section, content, expected):
+    assert_refused_at_load(tmp_path, monkeypatch, section, content, expected)
+
+
+def assert_refused_at_load(tmp_path, monkeypatch, section: str, content: object, expected: str) -> None:
+    """A config with ``section`` under ``data:`` (and ``content`` as ``cost_model.json``) is
+    refused at load with a message that starts with the config's path and matches ``expected``."""
     monkeypatch.chdir(tmp_path)
     path = write(tmp_path, section, content)
     with pytest.raises(ConfigError, match=expected) as err:

@@ -5,24 +5,16 @@ one image of ``layout.flow_encoder_batch_patches`` patches."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from mindspeed_flow.flow import EncoderCost, FlowRanks, SampleMeta
 from mindspeed_flow.flow.encoder_cost import PATCHES
-from mindspeed_flow.train.config import ConfigError, load_config
+from mindspeed_flow.train.config import load_config
 from mindspeed_flow.train.stream import group_samples
 
+from tests.train.test_stream_cost import assert_refused_at_load, write
+
 PER_IMAGE_HEAVY = EncoderCost(linear=1.0, per_image=512.0)
-
-
-def write(tmp_path, data_section: str, calibrated: object = None):
-    if calibrated is not None:
-        (tmp_path / "cost_model.json").write_text(calibrated if isinstance(calibrated, str) else json.dumps(calibrated))
-    path = tmp_path / "job.yaml"
-    path.write_text(f"data:\n  capacity: 1024\n{data_section}")
-    return path
 
 
 def test_default_is_patches_and_file_or_coefficients_load(tmp_path, monkeypatch):
@@ -48,11 +40,7 @@ def test_default_is_patches_and_file_or_coefficients_load(tmp_path, monkeypatch)
 ])
 def test_a_bad_encoder_cost_is_refused_at_load_naming_the_config_and_the_key(
         tmp_path, monkeypatch, section, content, expected):
-    monkeypatch.chdir(tmp_path)
-    path = write(tmp_path, section, content)
-    with pytest.raises(ConfigError, match=expected) as err:
-        load_config(path)
-    assert str(err.value).startswith(f"{path}: ")
+    assert_refused_at_load(tmp_path, monkeypatch, section, content, expected)
 
 
 def test_the_flows_grouping_cuts_encoder_batches_by_the_configured_cost(tmp_path):
