@@ -110,7 +110,6 @@ class DataConfig:
                               f"(linear, quadratic, constant), not both")
         return _cost_model(_calibrated_terms(Path(cost.file)), f"data.llm_cost.file ({cost.file})")
 
-
     def encoder_cost_model(self) -> EncoderCost:
         """``encoder_cost`` as an :class:`EncoderCost` (its file read now); a :class:`ConfigError`
         names the key and the file when it cannot be one."""

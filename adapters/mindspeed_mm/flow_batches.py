@@ -30,6 +30,7 @@ loader makes of those samples (its pixels were normalised when the loader joined
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Sequence
 
 import torch
@@ -125,9 +126,13 @@ class StepBatches:
         if self._joined is None:
             return self.loader_batches[m]
         if m not in self._joined:
-            keys = set().union(*(batch.keys() for batch in self.loader_batches))
-            self._joined[m] = self._join(m, self.microbatches[m], self._multiple, keys)
+            self._joined[m] = self._join(m, self.microbatches[m], self._multiple, self._loader_keys)
         return self._joined[m]
+
+    @cached_property
+    def _loader_keys(self) -> set[str]:
+        """Every key the step's loader batches hold (a joined pack keeps these only)."""
+        return set().union(*(batch.keys() for batch in self.loader_batches))
 
     def encoder_input(self, metas: Sequence[SampleMeta]) -> dict[str, Any]:
         """The encoder's input for these samples (see the module)."""
